@@ -1,0 +1,218 @@
+"""The checkpoint format: a directory that describes itself, and nothing in it is ever unpickled.
+
+    config.json        format version, model config, tokenizer kind, chat template, provenance
+    model.safetensors  the weights (names as in `GPT.state_dict()`, the tied lm_head left out)
+    tokenizer.json     see model/tokenizer.py
+    README.md          the model card
+
+Loading checks every tensor's name, shape and dtype against the config before building anything,
+and a failure names the file and the exact mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from model.config import GPTConfig
+from model.gpt import GPT
+from model.tokenizer import Tokenizer, load_tokenizer
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+CARD_FILE = "README.md"
+# Weights tied to another tensor are not stored (safetensors refuses aliased tensors anyway).
+TIED = ("lm_head.weight",)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A generic chat template (see model/chat_template.py): "Role: content" lines, then the
+# assistant's turn is opened; a blank line ends a turn.
+DEFAULT_CHAT_TEMPLATE: dict[str, Any] = {
+    "roles": {"system": "System", "user": "User", "assistant": "Assistant"},
+    "message": "{role}: {content}\n",
+    "generation_prompt": "{role}:",
+    "stop": ["\n\n"],
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and the problem."""
+
+
+@dataclass
+class Checkpoint:
+    config: GPTConfig
+    tokenizer: Tokenizer
+    state_dict: dict[str, torch.Tensor]
+    name: str = "model"
+    chat_template: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_CHAT_TEMPLATE))
+    provenance: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"
+
+    def build_model(
+        self, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> GPT:
+        """An eval-mode GPT holding these weights on `device` (optionally cast to `dtype`)."""
+        with torch.device("meta"):
+            model = GPT(self.config)
+        model.load_state_dict(self.state_dict, strict=False, assign=True)
+        model.lm_head.weight = model.wte.weight  # re-tie after `assign` replaced wte.weight
+        # Buffers-free model: every parameter came from the file, so nothing stays on "meta".
+        model = model.to(device=device, dtype=dtype or _DTYPES[self.dtype])
+        return model.eval()
+
+
+def expected_tensors(config: GPTConfig) -> dict[str, tuple[tuple[int, ...], None]]:
+    """Names and shapes the file must contain for `config`, computed without allocating weights."""
+    with torch.device("meta"):
+        model = GPT(config)
+    return {
+        name: (tuple(t.shape), None) for name, t in model.state_dict().items() if name not in TIED
+    }
+
+
+def state_dict_for_saving(model: GPT) -> dict[str, torch.Tensor]:
+    # Unwrap torch.compile / DDP so names are the plain module's.
+    raw = getattr(model, "_orig_mod", model)
+    raw = getattr(raw, "module", raw)
+    return {
+        k: v.detach().contiguous().cpu() for k, v in raw.state_dict().items() if k not in TIED
+    }
+
+
+def save_checkpoint(
+    out_dir: str | Path,
+    model: GPT,
+    tokenizer: Tokenizer,
+    *,
+    name: str,
+    chat_template: dict[str, Any] | None = None,
+    provenance: dict[str, Any] | None = None,
+    card: str | None = None,
+) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = state_dict_for_saving(model)
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
+    if len(dtypes) != 1:
+        raise ValueError(f"all weights must share one dtype, found {sorted(dtypes)}")
+    raw_config = getattr(model, "config")
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "name": name,
+        "model": raw_config.to_dict(),
+        "dtype": dtypes.pop(),
+        "tokenizer": {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size,
+                      "eos_id": tokenizer.eos_id},
+        "chat_template": chat_template or DEFAULT_CHAT_TEMPLATE,
+        "provenance": provenance or {},
+    }
+    # Write to temporary names and rename, so a crash never leaves a half-written checkpoint.
+    tmp_weights = out / (WEIGHTS_FILE + ".tmp")
+    save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
+    tmp_weights.replace(out / WEIGHTS_FILE)
+    tokenizer.save(out / TOKENIZER_FILE)
+    (out / CONFIG_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    if card is not None:
+        (out / CARD_FILE).write_text(card, encoding="utf-8")
+    return out
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    config_path = path / CONFIG_FILE
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory not found")
+    if not config_path.is_file():
+        raise CheckpointError(f"{config_path}: missing (a checkpoint needs {CONFIG_FILE})")
+    try:
+        manifest = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{config_path}: must hold a JSON object")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{config_path}: format_version {version!r} is not supported (expected {FORMAT_VERSION})"
+        )
+    for key in ("model", "tokenizer", "dtype"):
+        if key not in manifest:
+            raise CheckpointError(f"{config_path}: missing field {key!r}")
+    if manifest["dtype"] not in _DTYPES:
+        raise CheckpointError(f"{config_path}: dtype {manifest['dtype']!r} is not supported")
+    return manifest
+
+
+def _check_tensors(
+    weights_path: Path, tensors: dict[str, torch.Tensor], config: GPTConfig, dtype: str
+) -> None:
+    expected = expected_tensors(config)
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing:
+        raise CheckpointError(f"{weights_path}: missing tensor(s): {', '.join(missing)}")
+    if extra:
+        raise CheckpointError(f"{weights_path}: unexpected tensor(s): {', '.join(extra)}")
+    for name, (shape, _) in expected.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise CheckpointError(
+                f"{weights_path}: tensor {name} has shape {list(t.shape)}, "
+                f"config.json implies {list(shape)}"
+            )
+        if t.dtype != _DTYPES[dtype]:
+            raise CheckpointError(
+                f"{weights_path}: tensor {name} has dtype {str(t.dtype).removeprefix('torch.')}, "
+                f"config.json says {dtype}"
+            )
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise CheckpointError(f"{weights_path}: tensor {name} contains NaN or infinite values")
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Read and validate a checkpoint directory. Raises CheckpointError naming the problem."""
+    root = Path(path)
+    manifest = _read_manifest(root)
+    config_path = root / CONFIG_FILE
+    try:
+        config = GPTConfig.from_dict(manifest["model"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{config_path}: invalid model config: {e}") from None
+    pickles = sorted(p.name for p in root.iterdir() if p.suffix in {".pt", ".pth", ".bin", ".pkl", ".ckpt"})
+    weights_path = root / WEIGHTS_FILE
+    if not weights_path.is_file():
+        hint = f" (found {', '.join(pickles)}: pickle files are never loaded)" if pickles else ""
+        raise CheckpointError(f"{weights_path}: missing{hint}")
+    try:
+        tensors = load_file(str(weights_path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{weights_path}: not a valid safetensors file ({e})") from None
+    _check_tensors(weights_path, tensors, config, manifest["dtype"])
+    tok_path = root / TOKENIZER_FILE
+    if not tok_path.is_file():
+        raise CheckpointError(f"{tok_path}: missing")
+    try:
+        tokenizer = load_tokenizer(tok_path)
+    except (ValueError, KeyError, TypeError, Exception) as e:  # tokenizers raises bare Exception
+        raise CheckpointError(f"{tok_path}: cannot load tokenizer ({e})") from None
+    if tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(
+            f"{tok_path}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
+            f"vocab_size is {config.vocab_size}"
+        )
+    return Checkpoint(
+        config=config,
+        tokenizer=tokenizer,
+        state_dict=tensors,
+        name=str(manifest.get("name") or root.name),
+        chat_template=manifest.get("chat_template") or dict(DEFAULT_CHAT_TEMPLATE),
+        provenance=manifest.get("provenance") or {},
+        dtype=manifest["dtype"],
+    )

@@ -1,0 +1,162 @@
+"""A GPT-2-architecture decoder with one forward path for training and cached inference."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import GPTConfig
+from model.kv_cache import KVCache, LayerKVCache
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.head_dim = config.head_dim
+        # Fused QKV projection: one matmul instead of three (GPT-2's own `c_attn` layout).
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        input_pos: torch.Tensor | None,
+        cache: LayerKVCache | None,
+        slots: torch.Tensor | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        b, t, c = x.shape  # (B, T, C)
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(b, t, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(b, t, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        if cache is None:
+            # Training / uncached inference: the whole sequence is here, plain causal attention.
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )
+        else:
+            assert input_pos is not None and slots is not None and mask is not None
+            k, v = cache.update(slots, input_pos, k, v)  # (B, nh, W, hs)
+            # mask: (B, 1, T, W), True where a query may attend; every row sits at its own position.
+            y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+        y = y.transpose(1, 2).contiguous().view(b, t, c)  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new", so HF weights match exactly
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        input_pos: torch.Tensor | None,
+        cache: LayerKVCache | None,
+        slots: torch.Tensor | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), input_pos, cache, slots, mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Weight tying: the output projection reuses the token embedding (GPT-2; fewer parameters,
+        # and it regularises small models).
+        self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        # GPT-2 scales the init of each residual projection by 1/sqrt(2 * n_layer) so the residual
+        # stream's variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def new_cache(
+        self, slots: int, window: int | None = None, dtype: torch.dtype | None = None
+    ) -> KVCache:
+        """A KV cache for `slots` concurrent sequences, on this model's device and dtype."""
+        ref = self.wte.weight
+        return KVCache(
+            self.config.n_layer, slots, self.config.n_head, window or self.config.block_size,
+            self.config.head_dim, dtype or ref.dtype, ref.device,
+        )
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        input_pos: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        slots: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits for token ids `idx` of shape (B, T).
+
+        Without a cache this is the training path: positions are 0..T-1, attention is causal.
+        With a cache, `input_pos` (B, T) gives each new token's position (rows may differ),
+        `slots` (B,) each row's cache slot, and attention covers all cached positions <= its own.
+        `last_only` returns only the last position's logits (B, 1, V): all that sampling needs.
+        """
+        b, t = idx.shape
+        if input_pos is None:
+            if t > self.config.block_size:
+                raise ValueError(f"sequence of {t} tokens exceeds block_size {self.config.block_size}")
+            input_pos = torch.arange(t, device=idx.device).unsqueeze(0).expand(b, t)
+        x = self.drop(self.wte(idx) + self.wpe(input_pos))  # (B, T, C)
+        mask = None
+        if cache is not None:
+            if slots is None:
+                slots = torch.arange(b, device=idx.device)
+            window = torch.arange(cache.window, device=idx.device)
+            mask = (window.view(1, 1, 1, -1) <= input_pos.view(b, 1, t, 1))  # (B, 1, T, W)
+        for i, block in enumerate(self.h):
+            layer_cache = cache.layers[i] if cache is not None else None
+            x = block(x, input_pos if cache is not None else None, layer_cache, slots, mask)
+        if last_only:
+            x = x[:, -1:, :]
+        return self.lm_head(self.ln_f(x))  # (B, T, V)
