@@ -29,3 +29,29 @@ def require_module(name: str) -> None:
         if IN_CI:
             pytest.fail(f"Python module {name!r} is missing in CI")
         pytest.skip(f"Python module {name!r} not installed")
+
+
+# Printable ASCII plus newline: the vocabulary of the tiny random checkpoint tests serve.
+TINY_VOCAB_TEXT = "".join(chr(c) for c in range(32, 127)) + "\n"
+
+
+def make_tiny_checkpoint(path, *, block_size: int = 64, seed: int = 0, n_layer: int = 2, n_embd: int = 32):  # type: ignore[no-untyped-def]
+    """A random-weight char-level checkpoint: fast to build, fixed by its seed."""
+    import torch
+
+    from model.checkpoint import save_checkpoint
+    from model.config import GPTConfig
+    from model.gpt import GPT
+    from model.tokenizer import CharTokenizer
+
+    tok = CharTokenizer.train(TINY_VOCAB_TEXT)
+    torch.manual_seed(seed)
+    config = GPTConfig(vocab_size=tok.vocab_size, block_size=block_size, n_layer=n_layer, n_head=2, n_embd=n_embd)
+    model = GPT(config)
+    return save_checkpoint(path, model, tok, name="tiny-test", provenance={"note": "random weights for tests"})
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """Path of a tiny random char-level checkpoint (block_size 64), shared by the session."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
