@@ -1,0 +1,383 @@
+"""Load generator for a running nanoserve (or any TGI / OpenAI-compatible) server.
+
+N concurrent clients stream over SSE, for a bounded number of requests or a bounded duration, and
+every request is classified: completed, rejected (429 / 503 / other status), cut short (the stream
+ended without its final event), ended by a server `event: error`, a transport failure, or
+disconnected on purpose (`disconnect_after`). Latencies are measured from the moment the request is
+sent, so time spent queued in the server counts towards time to first token.
+
+    python bench/load.py --url http://127.0.0.1:8000 -c 16 -n 200 --max-new-tokens 64
+    python bench/load.py --url http://127.0.0.1:8000 -c 8 --duration 30 --route chat --json
+
+Importable: `run_load(LoadConfig(...))` returns a `LoadReport` whose `results` keep every request's
+stream as the client saw it, so tests can compare them with the server's own counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+ROUTES = {"generate_stream": "/generate_stream", "chat": "/v1/chat/completions"}
+# Every way a request can end, in the order the text report lists them.
+KINDS = ("ok", "http_429", "http_503", "http_4xx", "http_5xx", "cut", "error_event", "transport",
+         "disconnected")
+
+
+@dataclass
+class LoadConfig:
+    url: str
+    concurrency: int = 8
+    requests: int | None = 64  # total requests; None: run until `duration_s`
+    duration_s: float | None = None  # stop starting new requests after this long
+    route: str = "generate_stream"  # or "chat" (OpenAI /v1/chat/completions, stream=true)
+    prompt: str = "ROMEO:"
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    seed: int | None = None  # request i uses seed + i when set
+    api_key: str | None = None
+    timeout_s: float = 120.0  # per request, connect to last byte
+    disconnect_after: int | None = None  # close the stream after this many tokens (fault tests)
+    read_delay_s: float = 0.0  # sleep after each event: a slow reader
+
+    def __post_init__(self) -> None:
+        if self.route not in ROUTES:
+            raise ValueError(f"route must be one of {sorted(ROUTES)}, got {self.route!r}")
+        if self.requests is None and self.duration_s is None:
+            raise ValueError("give a request count, a duration, or both")
+        if self.concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+
+
+@dataclass
+class RequestResult:
+    index: int
+    kind: str = "transport"
+    status: int | None = None
+    retry_after: str | None = None
+    request_id: str | None = None
+    tokens: int = 0  # token events received
+    details_tokens: int | None = None  # generated token count the final event reported
+    finish_reason: str | None = None
+    text: str = ""  # concatenated token text deltas
+    final_text: str | None = None  # generated_text of the final event (TGI route)
+    ttft_s: float | None = None  # request sent -> first token event
+    itl_s: list[float] = field(default_factory=list)  # gaps between consecutive token events
+    duration_s: float = 0.0
+    error: str | None = None  # server error message / exception text
+    malformed: list[str] = field(default_factory=list)  # protocol violations seen in the stream
+
+
+@dataclass
+class LoadReport:
+    config: LoadConfig
+    results: list[RequestResult]
+    wall_s: float
+
+    def by_kind(self) -> dict[str, int]:
+        counts = Counter(r.kind for r in self.results)
+        return {k: counts[k] for k in KINDS if counts[k]}
+
+    def summary(self) -> dict[str, Any]:
+        ok = [r for r in self.results if r.kind == "ok"]
+        tokens = sum(r.tokens for r in self.results)
+        itls = [gap for r in self.results for gap in r.itl_s]
+        return {
+            "url": self.config.url,
+            "route": self.config.route,
+            "concurrency": self.config.concurrency,
+            "requests": len(self.results),
+            "wall_s": round(self.wall_s, 3),
+            "completed_per_s": round(len(ok) / self.wall_s, 3) if self.wall_s else 0.0,
+            "tokens_received": tokens,
+            "tokens_per_s": round(tokens / self.wall_s, 2) if self.wall_s else 0.0,
+            "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+            "itl_s": percentiles(itls),
+            "e2e_s": percentiles([r.duration_s for r in ok]),
+            "outcomes": self.by_kind(),
+            "malformed_streams": sum(1 for r in self.results if r.malformed),
+        }
+
+
+def percentiles(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:
+    """Nearest-rank percentiles (no interpolation: every figure is a latency that happened)."""
+    if not values:
+        return {f"p{q}": None for q in qs}
+    ordered = sorted(values)
+    return {f"p{q}": round(ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)], 6) for q in qs}
+
+
+def build_request(config: LoadConfig, index: int) -> tuple[str, dict[str, Any]]:
+    """The path and JSON body of request `index`."""
+    seed = None if config.seed is None else config.seed + index
+    if config.route == "chat":
+        body: dict[str, Any] = {
+            "model": "nanoserve",
+            "messages": [{"role": "user", "content": config.prompt}],
+            "max_tokens": config.max_new_tokens,
+            "temperature": config.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if seed is not None:
+            body["seed"] = seed
+        return ROUTES["chat"], body
+    params: dict[str, Any] = {"max_new_tokens": config.max_new_tokens, "details": True}
+    if config.temperature > 0:
+        params.update(do_sample=True, temperature=config.temperature)
+    if seed is not None:
+        params["seed"] = seed
+    return ROUTES["generate_stream"], {"inputs": config.prompt, "parameters": params}
+
+
+class SSEParser:
+    """Incremental `text/event-stream` parser: feed lines, get (event, data) pairs."""
+
+    def __init__(self) -> None:
+        self.event: str | None = None
+        self.data: list[str] = []
+
+    def feed(self, line: str) -> tuple[str, str] | None:
+        if line == "":
+            if not self.data:
+                self.event = None
+                return None
+            out = (self.event or "message", "\n".join(self.data))
+            self.event, self.data = None, []
+            return out
+        if line.startswith(":"):  # comment, e.g. `: keep-alive`
+            return None
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "event":
+            self.event = value
+        elif name == "data":
+            self.data.append(value)
+        return None
+
+
+class _StreamState:
+    """What one request's stream has shown so far; `on_event` returns True when it is complete."""
+
+    def __init__(self, result: RequestResult, route: str, t0: float) -> None:
+        self.result, self.route, self.t0 = result, route, t0
+        self.last_token_at: float | None = None
+        self.last_index: int | None = None
+
+    def token_arrived(self, text: str) -> None:
+        now = time.perf_counter()
+        r = self.result
+        if self.last_token_at is None:
+            r.ttft_s = now - self.t0
+        else:
+            r.itl_s.append(now - self.last_token_at)
+        self.last_token_at = now
+        r.tokens += 1
+        r.text += text
+
+    def on_event(self, event: str, data: str) -> bool:
+        r = self.result
+        if self.route == "chat" and data == "[DONE]":
+            return True
+        try:
+            payload = json.loads(data)
+        except json.JSONDecodeError:
+            r.malformed.append(f"data is not JSON: {data[:80]!r}")
+            return False
+        if event == "error" or (isinstance(payload, dict) and "error" in payload):
+            err = payload.get("error") if isinstance(payload, dict) else payload
+            r.kind = "error_event"
+            r.error = str(err.get("message", err) if isinstance(err, dict) else err)
+            return True
+        return self._on_chat(payload) if self.route == "chat" else self._on_tgi(payload)
+
+    def _on_tgi(self, payload: dict[str, Any]) -> bool:
+        r = self.result
+        token = payload.get("token")
+        if token is not None:
+            index = payload.get("index")
+            if self.last_index is not None and index != self.last_index + 1:
+                r.malformed.append(f"token index {index} after {self.last_index}")
+            self.last_index = index
+            self.token_arrived(token.get("text") or "")
+        details = payload.get("details")
+        if payload.get("generated_text") is None and details is None:
+            return False
+        r.final_text = payload.get("generated_text")
+        if details is None:
+            r.malformed.append("final event without details")
+        else:
+            r.details_tokens = details.get("generated_tokens")
+            r.finish_reason = details.get("finish_reason")
+        r.kind = "ok"
+        return True
+
+    def _on_chat(self, payload: dict[str, Any]) -> bool:
+        r = self.result
+        for choice in payload.get("choices") or []:
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                self.token_arrived(content)
+            if choice.get("finish_reason"):
+                r.finish_reason = choice["finish_reason"]
+        usage = payload.get("usage")
+        if usage:
+            r.details_tokens = usage.get("completion_tokens")
+        if r.finish_reason is not None:
+            r.kind = "ok"  # provisional: [DONE] must still follow, else the stream was cut
+        return False
+
+
+async def one_request(client: httpx.AsyncClient, config: LoadConfig, index: int) -> RequestResult:
+    """Send request `index`, read its stream to the end, and classify how it ended."""
+    path, body = build_request(config, index)
+    result = RequestResult(index=index)
+    headers = {"Accept": "text/event-stream"}
+    if config.api_key:
+        headers["Authorization"] = f"Bearer {config.api_key}"
+    t0 = time.perf_counter()
+    try:
+        async with client.stream("POST", path, json=body, headers=headers,
+                                 timeout=config.timeout_s) as resp:
+            result.status = resp.status_code
+            result.request_id = resp.headers.get("x-request-id")
+            if resp.status_code != 200:
+                result.retry_after = resp.headers.get("retry-after")
+                result.kind = _status_kind(resp.status_code)
+                result.error = (await resp.aread()).decode("utf-8", "replace")[:500]
+                return result
+            await _read_stream(resp, result, config, t0)
+    except (httpx.TransportError, httpx.StreamError) as e:
+        # A stream that broke after it started was cut; one that never answered is transport.
+        result.kind = "cut" if result.status == 200 else "transport"
+        result.error = f"{type(e).__name__}: {e}"
+    finally:
+        result.duration_s = time.perf_counter() - t0
+    return result
+
+
+async def _read_stream(resp: httpx.Response, result: RequestResult, config: LoadConfig,
+                       t0: float) -> None:
+    state, parser, complete = _StreamState(result, config.route, t0), SSEParser(), False
+    result.kind = "cut"  # until the final event arrives
+    async for line in resp.aiter_lines():
+        parsed = parser.feed(line)
+        if parsed is None:
+            continue
+        if config.read_delay_s:
+            await asyncio.sleep(config.read_delay_s)
+        if complete:
+            result.malformed.append(f"event after the final one: {parsed[1][:80]!r}")
+            continue
+        complete = state.on_event(*parsed)
+        if config.disconnect_after is not None and result.tokens >= config.disconnect_after \
+                and not complete:
+            result.kind = "disconnected"
+            return  # leaving the `async with` closes the connection mid-stream
+    if config.route == "chat" and not complete:
+        result.kind = "cut"  # finish_reason seen but no [DONE], or nothing at all
+
+
+def _status_kind(status: int) -> str:
+    if status in (429, 503):
+        return f"http_{status}"
+    return "http_5xx" if status >= 500 else "http_4xx"
+
+
+async def run_load(config: LoadConfig, client: httpx.AsyncClient | None = None) -> LoadReport:
+    """Run the load; `client` lets tests pass their own (its base_url must be the server)."""
+    own = client is None
+    if client is None:
+        limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=0)
+        client = httpx.AsyncClient(base_url=config.url, limits=limits)
+    results: list[RequestResult] = []
+    counter = iter(range(config.requests if config.requests is not None else sys.maxsize))
+    start = time.perf_counter()
+    deadline = None if config.duration_s is None else start + config.duration_s
+
+    async def worker() -> None:
+        for index in counter:  # a shared iterator: each index is taken by exactly one worker
+            if deadline is not None and time.perf_counter() >= deadline:
+                return
+            results.append(await one_request(client, config, index))
+
+    try:
+        await asyncio.gather(*(worker() for _ in range(config.concurrency)))
+    finally:
+        if own:
+            await client.aclose()
+    results.sort(key=lambda r: r.index)
+    return LoadReport(config=config, results=results, wall_s=time.perf_counter() - start)
+
+
+def format_report(summary: dict[str, Any]) -> str:
+    def ms(p: dict[str, float | None]) -> str:
+        return " ".join(f"{k}={v * 1000:.1f}ms" if v is not None else f"{k}=-" for k, v in p.items())
+
+    lines = [
+        f"{summary['requests']} requests to {summary['url']} ({summary['route']}, "
+        f"concurrency {summary['concurrency']}) in {summary['wall_s']:.2f}s",
+        f"  completed/s   {summary['completed_per_s']:.2f}",
+        f"  tokens/s      {summary['tokens_per_s']:.1f} ({summary['tokens_received']} tokens)",
+        f"  TTFT          {ms(summary['ttft_s'])}",
+        f"  inter-token   {ms(summary['itl_s'])}",
+        f"  end-to-end    {ms(summary['e2e_s'])}",
+        "  outcomes      " + ", ".join(f"{k}={v}" for k, v in summary["outcomes"].items()),
+    ]
+    if summary["malformed_streams"]:
+        lines.append(f"  MALFORMED streams: {summary['malformed_streams']}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[LoadConfig, argparse.Namespace]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("-c", "--concurrency", type=int, default=8)
+    p.add_argument("-n", "--requests", type=int, default=None,
+                   help="total requests (default 64 without --duration)")
+    p.add_argument("--duration", type=float, default=None, help="seconds to keep starting requests")
+    p.add_argument("--route", choices=sorted(ROUTES), default="generate_stream")
+    p.add_argument("--prompt", default="ROMEO:")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--per-request", action="store_true", help="with --json: every request too")
+    a = p.parse_args(argv)
+    config = LoadConfig(
+        url=a.url, concurrency=a.concurrency,
+        requests=a.requests if a.requests is not None or a.duration is not None else 64,
+        duration_s=a.duration, route=a.route, prompt=a.prompt, max_new_tokens=a.max_new_tokens,
+        temperature=a.temperature, seed=a.seed, api_key=a.api_key, timeout_s=a.timeout,
+    )
+    return config, a
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, args = parse_args(argv)
+    report = asyncio.run(run_load(config))
+    summary = report.summary()
+    if args.json:
+        if args.per_request:
+            summary["results"] = [asdict(r) for r in report.results]
+        print(json.dumps(summary, indent=2))
+    else:
+        print(format_report(summary))
+    # Non-zero when anything other than completion or an orderly rejection happened.
+    bad = {"http_4xx", "http_5xx", "cut", "error_event", "transport"} & set(report.by_kind())
+    return 1 if bad or summary["malformed_streams"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
