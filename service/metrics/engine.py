@@ -1,0 +1,145 @@
+"""The engine side of the metrics: observer hooks (engine thread) and scrape-time gauges.
+
+The observer is called from the engine's model thread on every step, so it only updates
+prometheus-client objects (thread-safe, a lock and an add). The scheduler gauges are not pushed at
+all: a custom collector asks `Engine.stats()` when Prometheus scrapes, so a gauge can never be left
+stale by a missed update and an idle server always reads zero.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from service.engine.types import EngineStats, FinishReason, Usage
+from service.metrics.instruments import Instruments
+
+log = logging.getLogger(__name__)
+
+
+class EngineMetricsObserver:
+    """An `EngineObserver` (service/engine/types.py) that records into `Instruments`."""
+
+    def __init__(self, instruments: Instruments) -> None:
+        self._m = instruments
+
+    def on_step(self, duration_s: float, batch_size: int, prefill_tokens: int) -> None:
+        self._m.step.observe(duration_s)
+        if batch_size > 0:
+            self._m.batch_size.observe(batch_size)
+        if prefill_tokens > 0:
+            self._m.prefill_tokens.inc(prefill_tokens)
+
+    def on_finish(self, reason: FinishReason, usage: Usage) -> None:
+        # Request-level counters live in the stream tracker (they need the route and the HTTP arrival
+        # time); prefill time is only known to the engine. A request cancelled while queued has none.
+        if usage.prefill_time_s > 0:
+            self._m.prefill.observe(usage.prefill_time_s)
+
+    def on_rejected(self, reason: str) -> None:
+        self._m.rejected.labels(reason=reason).inc()
+
+
+class StatsSource(Protocol):
+    """What the collector needs from `Engine` (a Protocol so tests can pass a small fake)."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    def health(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+
+MODEL_INFO_LABELS = ("checkpoint", "parameters", "device", "dtype", "window")
+
+
+def model_info_labels(info: dict[str, Any]) -> dict[str, str]:
+    """The model-info labels from `Engine.info()`, looking in its top level and its sections.
+
+    `info()` is the /info payload, organised for humans; this picks the five values wherever the
+    engine put them (e.g. `{"model": {"parameters": ...}, "engine": {"device": ...}}`).
+    """
+    aliases = {
+        "checkpoint": ("checkpoint", "name", "model_name", "id"),
+        "parameters": ("parameters", "parameter_count", "n_params", "num_parameters"),
+        "device": ("device",),
+        "dtype": ("dtype",),
+        "window": ("window", "context_window", "max_context", "block_size"),
+    }
+    sections = [info] + [v for v in info.values() if isinstance(v, dict)]
+    labels = {}
+    for label, keys in aliases.items():
+        value = next(
+            (s[k] for k in keys for s in sections if isinstance(s.get(k), (str, int, float))), ""
+        )
+        labels[label] = str(value)
+    return labels
+
+
+class EngineCollector(Collector):
+    """Gauges read from the engine at scrape time; never raises (a scrape must not 500)."""
+
+    def __init__(self, engine: StatsSource, queue_capacity: int | None) -> None:
+        self._engine = engine
+        self._queue_capacity = queue_capacity
+
+    def describe(self) -> Iterator[Metric]:
+        # Names only, so registering checks for clashes without touching the engine.
+        return iter(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        families = self._families()
+        try:
+            stats = self._engine.stats()
+            values = {
+                "nanoserve_running_sequences": stats.running,
+                "nanoserve_waiting_requests": stats.waiting,
+                "nanoserve_kv_slots_in_use": stats.slots_used,
+                "nanoserve_kv_slots_capacity": stats.slots_total,
+                "nanoserve_kv_cache_bytes": stats.kv_cache_bytes,
+                "nanoserve_ready": int(self._engine.ready),
+                "nanoserve_engine_healthy": int(self._engine.health()),
+            }
+            if self._queue_capacity is not None:
+                values["nanoserve_queue_capacity"] = self._queue_capacity
+        except Exception:  # a broken engine shows as missing gauges, the scrape itself still works
+            log.exception("reading engine stats for /metrics failed")
+            return iter(())
+        for family in families:
+            if family.name in values:
+                family.add_metric([], float(values[family.name]))
+            elif family.name == "nanoserve_model_info" and (labels := self._model_info()):
+                family.add_metric([labels[k] for k in MODEL_INFO_LABELS], 1.0)
+        return iter(f for f in families if f.samples)
+
+    @staticmethod
+    def _families() -> list[GaugeMetricFamily]:
+        specs = [
+            ("nanoserve_running_sequences", "Sequences being generated now (holding a KV slot)."),
+            ("nanoserve_waiting_requests", "Requests queued for a KV slot."),
+            ("nanoserve_kv_slots_in_use", "KV cache slots in use."),
+            ("nanoserve_kv_slots_capacity", "KV cache slots in total (max concurrent sequences)."),
+            ("nanoserve_kv_cache_bytes", "Bytes allocated for the KV cache."),
+            ("nanoserve_queue_capacity", "Waiting requests beyond which new ones are rejected (429)."),
+            ("nanoserve_ready", "1 when the server accepts generation requests (warmed up, not draining)."),
+            ("nanoserve_engine_healthy", "1 while the engine's model thread is alive."),
+        ]
+        families = [GaugeMetricFamily(name, doc) for name, doc in specs]
+        families.append(
+            GaugeMetricFamily("nanoserve_model_info", "The served model; always 1.", labels=MODEL_INFO_LABELS)
+        )
+        return families
+
+    def _model_info(self) -> dict[str, str] | None:
+        try:
+            return model_info_labels(self._engine.info())
+        except Exception:
+            log.exception("reading engine info for /metrics failed")
+            return None

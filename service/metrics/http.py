@@ -1,0 +1,81 @@
+"""HTTP request metrics as a pure ASGI middleware.
+
+Pure ASGI rather than `BaseHTTPMiddleware`, which runs the endpoint in another task and re-wraps
+streamed bodies (it gets in the way of disconnect handling). Here a request is timed until the app
+returns, i.e. until the last byte of a stream is sent, and the status is the one actually sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.metrics.instruments import Instruments
+
+UNMATCHED_ROUTE = "unmatched"  # 404s share one label value: scanners must not create new series
+_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+
+
+def arrival_time(scope: Scope) -> float:
+    """`request.state.arrival` (time.perf_counter() when the request arrived), set once per request.
+
+    Whichever middleware sees the request first sets it; everything that measures "from arrival"
+    (TTFT, queue time, end-to-end duration) reads the same value.
+    """
+    state: dict[str, Any] = scope.setdefault("state", {})
+    return float(state.setdefault("arrival", time.perf_counter()))
+
+
+def route_template(routes: list[BaseRoute], scope: Scope) -> str:
+    """The path template the router will pick (`/v1/models`, not a raw URL), the way Starlette does."""
+    partial = None
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            return str(getattr(route, "path", UNMATCHED_ROUTE))
+        if match is Match.PARTIAL and partial is None:
+            partial = route  # e.g. the right path with the wrong method: answered with a 405
+    return str(getattr(partial, "path", UNMATCHED_ROUTE)) if partial else UNMATCHED_ROUTE
+
+
+class HTTPMetricsMiddleware:
+    """Counts requests by route/method/status, tracks in-flight requests, times them from arrival."""
+
+    def __init__(self, app: ASGIApp, instruments: Instruments, routes: list[BaseRoute]) -> None:
+        self.app = app
+        self._m = instruments
+        self._routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        arrival = arrival_time(scope)
+        route = route_template(self._routes, scope)
+        method = scope["method"] if scope["method"] in _METHODS else "other"
+        status: int | None = None
+
+        async def send_recording_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        in_flight = self._m.http_in_flight.labels(route=route)
+        in_flight.inc()
+        code = "500"  # an exception before any response reaches the server-error handler: a 500
+        try:
+            await self.app(scope, receive, send_recording_status)
+        except asyncio.CancelledError:
+            code = "499"  # nginx's "client closed request": cancelled before a status was sent
+            raise
+        finally:
+            in_flight.dec()
+            if status is not None:
+                code = str(status)
+            self._m.http_requests.labels(route=route, method=method, code=code).inc()
+            self._m.http_duration.labels(route=route).observe(time.perf_counter() - arrival)
