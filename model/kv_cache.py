@@ -60,4 +60,5 @@ class KVCache(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)  # type: ignore[union-attr]
+        layers: list[LayerKVCache] = list(self.layers)  # type: ignore[arg-type]
+        return sum(layer.k.nbytes + layer.v.nbytes for layer in layers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from model.hf_cli import add_hf_parsers
 from model.training.cli import add_train_parser
 
 
@@ -12,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve", description="Serve and train small GPT models.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_parser(sub)
+    add_hf_parsers(sub)
     return parser
 
 

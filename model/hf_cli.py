@@ -1,0 +1,65 @@
+"""`nanoserve export-hf` and `nanoserve import-hf`: checkpoints to and from Hugging Face GPT-2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from model.checkpoint import CheckpointError, load_checkpoint
+from model.hf import HFConversionError, export_hf, import_hf
+
+
+def add_hf_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face GPT-2 directory")
+    p.add_argument("checkpoint", type=Path, help="nanoserve checkpoint directory")
+    p.add_argument("out", type=Path, help="directory to write (config.json + model.safetensors)")
+    p.set_defaults(func=run_export)
+    p = sub.add_parser("import-hf", help="turn a Hugging Face GPT-2 directory into a checkpoint")
+    p.add_argument("hf_dir", type=Path, help="directory with config.json, model.safetensors and "
+                   "a tokenizer (tokenizer.json, or vocab.json + merges.txt)")
+    p.add_argument("out", type=Path, help="checkpoint directory to write")
+    p.add_argument("--name", help="checkpoint name (default: the source folder's name)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="cast the weights (default: keep the source's dtype)")
+    p.set_defaults(func=run_import)
+
+
+def _refuse_existing_output(out: Path, command: str) -> bool:
+    """True (after printing the error) when `out` exists and is not an empty directory."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        print(f"nanoserve {command}: error: {out} already exists and is not an empty directory",
+              file=sys.stderr)
+        return True
+    return False
+
+
+def run_export(args: argparse.Namespace) -> int:
+    if _refuse_existing_output(args.out, "export-hf"):
+        return 2
+    try:
+        ckpt = load_checkpoint(args.checkpoint)
+        out = export_hf(ckpt, args.out)
+    except (CheckpointError, HFConversionError) as e:
+        print(f"nanoserve export-hf: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"nanoserve export-hf: error: cannot write {args.out} ({e.strerror})", file=sys.stderr)
+        return 2
+    print(f"wrote {out} (load it with transformers.GPT2LMHeadModel.from_pretrained)")
+    return 0
+
+
+def run_import(args: argparse.Namespace) -> int:
+    if _refuse_existing_output(args.out, "import-hf"):
+        return 2
+    try:
+        out = import_hf(args.hf_dir, args.out, name=args.name, dtype=args.dtype)
+    except HFConversionError as e:
+        print(f"nanoserve import-hf: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"nanoserve import-hf: error: cannot write {args.out} ({e.strerror})", file=sys.stderr)
+        return 2
+    print(f"wrote checkpoint {out}")
+    return 0
