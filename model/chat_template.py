@@ -25,7 +25,7 @@ def render_chat(
     parts: list[str] = []
     for i, msg in enumerate(messages):
         role = msg.get("role")
-        if role not in roles:
+        if not isinstance(role, str) or role not in roles:
             raise ChatTemplateError(
                 f"messages[{i}].role {role!r} is not one of {', '.join(sorted(roles))}"
             )

@@ -103,7 +103,7 @@ def save_checkpoint(
     dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
     if len(dtypes) != 1:
         raise ValueError(f"all weights must share one dtype, found {sorted(dtypes)}")
-    raw_config = getattr(model, "config")
+    raw_config = model.config
     manifest = {
         "format_version": FORMAT_VERSION,
         "name": name,

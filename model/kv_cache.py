@@ -34,7 +34,7 @@ class LayerKVCache(nn.Module):
         slot_idx: (B,) slot of each batch row; input_pos: (B, T) position of each new token;
         k, v: (B, nh, T, hs). Returns k, v of shape (B, nh, window, hs).
         """
-        b, nh, t, hs = k.shape
+        b, nh, t, _ = k.shape
         # Scatter each row's T new entries at its own positions: index_put with (slot, head, pos).
         rows = slot_idx.view(b, 1, 1).expand(b, nh, t)
         heads = torch.arange(nh, device=k.device).view(1, nh, 1).expand(b, nh, t)
