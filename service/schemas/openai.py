@@ -1,0 +1,360 @@
+"""Request and response shapes of the OpenAI-compatible API, as the `openai` SDK sends and reads them.
+
+Requests are strict, so a mistake is an error rather than a silent surprise: unknown fields are
+rejected (422 naming the field), a boolean is not a number, NaN and infinities are refused. OpenAI
+features this server does not implement (`n > 1`, tools, JSON mode, logit bias, ...) are declared
+here only so that their rejection can say exactly that, instead of "extra field". docs/openai.md
+lists what is supported.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+# Strict: no str -> number or bool -> number coercion; NaN/inf refused on every float.
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _unsupported(field: str, why: str) -> PydanticCustomError:
+    # A custom error keeps the message as written (no "Value error, " prefix); its location is the field.
+    return PydanticCustomError("unsupported", f"`{field}` is not supported by this server: {why}")
+
+
+def _invalid(message: str) -> PydanticCustomError:
+    return PydanticCustomError("value_error", message)
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+
+    include_usage: bool = Field(False, description="Send a last chunk with `usage` before `[DONE]`.")
+
+
+class GenerationRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = _STRICT
+
+    model: str | None = Field(
+        None, max_length=256, description="The served model's id (GET /v1/models); omitted = that model."
+    )
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=1, description="Extension (as in vLLM): keep the k most likely.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="Extension: drop p < min_p * p(max).")
+    repetition_penalty: float | None = Field(
+        None, gt=0.0, le=10.0, description="Extension: multiplicative penalty on seen tokens (> 1: fewer)."
+    )
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    stop: str | list[str] | None = Field(None, description="Non-empty stop strings (server-limited count).")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed + same request = same output.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256, description="Accepted for compatibility and ignored.")
+    # Declared only to be refused with a clear message (see the validators).
+    n: int = Field(1, description="Only 1 is supported.")
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported (empty/null only).")
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise _unsupported("n", f"got {v}; only one choice per request (n = 1). Send several requests.")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise _unsupported("logit_bias", "remove it or send an empty object")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: str | list[str] | None) -> str | list[str] | None:
+        for s in [v] if isinstance(v, str) else v or []:
+            if not s:
+                raise _invalid("stop strings must not be empty")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _needs_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise _invalid("`stream_options` is only allowed when `stream` is true")
+        return v
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(GenerationRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] = Field(
+        description="A string, a list holding one string, or a list of token ids."
+    )
+    max_tokens: int | None = Field(16, ge=1, description="Tokens to generate (OpenAI's default: 16).")
+    logprobs: int | None = Field(None, ge=0, le=20, description="Also return this many top alternatives.")
+    echo: bool = Field(False, description="Not supported (false only).")
+    suffix: str | None = Field(None, description="Not supported (needs a fill-in-the-middle model).")
+    best_of: int | None = Field(None, description="Not supported (1 only).")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: str | list[str] | list[int]) -> str | list[str] | list[int]:
+        if isinstance(v, list):
+            if not v:
+                raise _invalid("prompt must not be an empty list")
+            if isinstance(v[0], str) and len(v) != 1:
+                raise _unsupported("prompt", f"a batch of {len(v)} prompts; send one prompt per request")
+            if isinstance(v[0], int) and any(t < 0 for t in v):  # type: ignore[operator]
+                raise _invalid("token ids must be >= 0")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise _unsupported("echo", "the response holds the completion only")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise _unsupported("suffix", "this model has no fill-in-the-middle training")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise _unsupported("best_of", f"got {v}; only 1")
+        return v
+
+    def prompt_input(self) -> str | list[int]:
+        """The prompt as `Engine.generate` takes it: text or token ids."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        first = self.prompt[0]
+        return first if isinstance(first, str) else list(self.prompt)  # type: ignore[arg-type]
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="`developer` is treated as `system`; tool/function roles are not supported."
+    )
+    content: str | list[dict[str, Any]] | None = Field(
+        description="A string, or a list of text parts `{\"type\": \"text\", \"text\": ...}`."
+    )
+    name: str | None = Field(None, min_length=1, max_length=64, description="Replaces the role's speaker.")
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, v: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        for part in v if isinstance(v, list) else []:
+            kind = part.get("type")
+            if kind != "text":
+                raise _unsupported(f"content part of type {kind!r}", "this model reads text only")
+            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                raise _invalid('a text part is {"type": "text", "text": "<string>"} and nothing else')
+        return v
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part["text"] for part in self.content)
+        return self.content or ""
+
+    def for_template(self) -> dict[str, str | None]:
+        """The message as model.chat_template.render_chat reads it."""
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.text(), "name": self.name}
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI: max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Declared only to be refused with a clear message.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
+    modalities: list[str] | None = Field(None, description='Only ["text"].')
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+    @field_validator("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+    @classmethod
+    def _no_tools(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None:
+            raise _unsupported(str(info.field_name), "tool and function calling are not implemented")
+        return v
+
+    @field_validator("audio", "prediction", "reasoning_effort", "web_search_options")
+    @classmethod
+    def _text_model(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None:
+            raise _unsupported(str(info.field_name), "this is a small text model")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v != {"type": "text"}:
+            raise _unsupported("response_format", 'only {"type": "text"}; JSON mode is not implemented')
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_modality(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and v != ["text"]:
+            raise _unsupported("modalities", 'only ["text"]')
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise _invalid("`top_logprobs` requires `logprobs: true`")
+        return v
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_limit(cls, v: int | None, info: ValidationInfo) -> int | None:
+        other = info.data.get("max_tokens")
+        if v is not None and other is not None and other != v:
+            raise _invalid("`max_tokens` and `max_completion_tokens` disagree; send only one")
+        return v
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+# ---------------------------------------------------------------- responses
+
+FinishName = Literal["stop", "length"]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishName | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A completion (non-streaming), or one streamed chunk of it (`object` is the same)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishName
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishName | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "nanoserve"
+    max_model_len: int | None = Field(None, description="Extension: the model's context window in tokens.")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

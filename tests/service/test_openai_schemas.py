@@ -1,0 +1,83 @@
+"""The OpenAI request schemas: what they accept, and that every refusal names its field."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from service.schemas.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def refusal(model: type, body: dict) -> tuple[str, str]:
+    """(field path, message) of the first error pydantic raises for `body`."""
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    err = info.value.errors()[0]
+    return ".".join(str(p) for p in err["loc"]), err["msg"]
+
+
+def test_supported_fields_are_accepted() -> None:
+    req = ChatCompletionRequest.model_validate({
+        **CHAT, "model": "m", "max_completion_tokens": 5, "temperature": 0, "top_p": 0.5, "top_k": 3,
+        "frequency_penalty": 0.5, "presence_penalty": -0.5, "stop": "\n", "seed": 7, "stream": True,
+        "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 2, "user": "me",
+        "n": 1, "response_format": {"type": "text"}, "logit_bias": {},
+    })
+    assert req.token_limit() == 5 and req.stop_list() == ["\n"] and req.include_usage()
+    assert CompletionRequest.model_validate({"prompt": ["one"]}).prompt_input() == "one"
+    assert CompletionRequest.model_validate({"prompt": [5, 6]}).prompt_input() == [5, 6]
+    assert CompletionRequest.model_validate({"prompt": "x"}).max_tokens == 16  # OpenAI's default
+
+
+@pytest.mark.parametrize(("body", "field", "says"), [
+    ({**CHAT, "n": 2}, "n", "only one choice"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools", "tool and function calling"),
+    ({**CHAT, "tool_choice": "auto"}, "tool_choice", "not supported"),
+    ({**CHAT, "functions": []}, "functions", "not supported"),
+    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format", "JSON mode"),
+    ({**CHAT, "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+    ({**CHAT, "frobnicate": 1}, "frobnicate", "Extra inputs"),
+    ({**CHAT, "temperature": True}, "temperature", "valid number"),
+    ({**CHAT, "temperature": math.nan}, "temperature", "finite"),
+    ({**CHAT, "temperature": 2.5}, "temperature", "less than or equal to 2"),
+    ({**CHAT, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({**CHAT, "max_tokens": "5"}, "max_tokens", "valid integer"),
+    ({**CHAT, "stop": ["ok", ""]}, "stop", "must not be empty"),
+    ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", "only allowed when `stream`"),
+    ({**CHAT, "top_logprobs": 2}, "top_logprobs", "requires `logprobs: true`"),
+    ({**CHAT, "max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens", "disagree"),
+    ({"messages": []}, "messages", "at least 1"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "'assistant'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content", "'image_url'` is not supported"),
+])
+def test_chat_refusals_name_the_field(body: dict, field: str, says: str) -> None:
+    where, message = refusal(ChatCompletionRequest, body)
+    assert where == field
+    assert says in message
+
+
+@pytest.mark.parametrize(("body", "field", "says"), [
+    ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    ({"prompt": []}, "prompt", "empty"),
+    ({"prompt": "x", "echo": True}, "echo", "not supported"),
+    ({"prompt": "x", "best_of": 3}, "best_of", "not supported"),
+    ({"prompt": "x", "suffix": "y"}, "suffix", "fill-in-the-middle"),
+    ({"prompt": "x", "logprobs": True}, "logprobs", "valid integer"),
+    ({}, "prompt", "Field required"),
+])
+def test_completion_refusals_name_the_field(body: dict, field: str, says: str) -> None:
+    where, message = refusal(CompletionRequest, body)
+    assert where == field
+    assert says in message
+
+
+def test_chat_message_text_parts_and_developer_role() -> None:
+    msg = ChatMessage.model_validate(
+        {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    )
+    assert msg.for_template() == {"role": "system", "content": "ab", "name": None}
