@@ -14,7 +14,7 @@ The metric list with one line each is in docs/metrics.md.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from prometheus_client import (
@@ -66,7 +66,9 @@ class Metrics:
         """Add the HTTP middleware to a Starlette/FastAPI app (before it starts)."""
         app.add_middleware(HTTPMetricsMiddleware, instruments=self.instruments, routes=app.router.routes)
 
-    def track_stream(self, stream: TrackableStream, route: str, arrival: float) -> AsyncIterator[TokenEvent]:
+    def track_stream(
+        self, stream: TrackableStream, route: str, arrival: float
+    ) -> AsyncGenerator[TokenEvent, None]:
         """Wrap a `GenerationStream`: same events, recorded (TTFT from `arrival`, ITL, tokens, finish)."""
         return track_stream(self.instruments, stream, route, arrival)
 

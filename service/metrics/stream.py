@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Protocol
 
 import anyio
@@ -69,7 +69,7 @@ class _RequestRecord:
 
 async def track_stream(
     m: Instruments, stream: TrackableStream, route: str, arrival: float
-) -> AsyncIterator[TokenEvent]:
+) -> AsyncGenerator[TokenEvent, None]:
     """Yield `stream`'s events unchanged while recording them; closing this early closes `stream`."""
     record = _RequestRecord(m, route, arrival)
     m.prompt_tokens.inc(stream.prompt_tokens)
