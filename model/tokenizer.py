@@ -190,6 +190,10 @@ class BPETokenizer(Tokenizer):
         tok = HFTokenizer(models.BPE.from_file(str(vocab_json), str(merges_txt)))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
+        if tok.token_to_id(EOT) is not None:
+            # As in transformers' GPT-2 tokenizer: the literal text "<|endoftext|>" is one token,
+            # the same one a trained BPE vocabulary makes of it.
+            tok.add_special_tokens([EOT])
         return cls(tok)
 
     @property
