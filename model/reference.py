@@ -26,8 +26,9 @@ def reference_generate(
     """Continue `ids`; temperature 0 is greedy.
 
     policy "sliding" conditions every token on the last block_size tokens (nanoGPT). Policy
-    "shift" mirrors context shifting: the context grows until it fills the window, then is cut
-    to its last `keep` tokens and grows again.
+    "shift" mirrors context shifting: the context grows until it fills the window; when one more
+    token would overflow it, it is cut to its last `keep` tokens (the newest included) and grows
+    again.
     """
     block = model.config.block_size
     keep = keep if keep is not None else block // 2
@@ -37,7 +38,7 @@ def reference_generate(
     for _ in range(max_new_tokens):
         if policy == "sliding":
             ctx = out[-block:]
-        elif len(ctx) >= block:
+        elif len(ctx) > block:
             ctx = ctx[-keep:]
         x = torch.tensor([ctx], dtype=torch.long, device=device)
         logits = model(x)[0, -1].float()  # (V,)

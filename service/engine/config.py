@@ -1,0 +1,69 @@
+"""Engine settings: how much to batch, queue, cache and crop. Model shape comes from the checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CROP_POLICIES = ("shift", "sliding")
+
+
+@dataclass
+class EngineConfig:
+    device: str = "auto"  # auto|cpu|cuda
+    dtype: str = "float32"  # float32|bfloat16|float16 (fp16 GPU only)
+    max_seqs: int = 16  # KV slots = max concurrent running sequences
+    max_queue: int = 64  # waiting requests beyond which generate() raises Overloaded
+    prefill_budget: int = 256  # prompt tokens prefilled per step (chunked prefill)
+    crop_policy: str = "shift"  # shift (amortized, default) | sliding (exactly nanoGPT)
+    shift_keep: int | None = None  # tokens kept on a context shift (default: window // 2)
+    reject_long_prompts: bool = False  # True: PromptTooLong instead of cropping
+    deterministic: bool = False  # every row computed alone: bit-identical alone vs batched
+    compile: bool = False  # torch.compile the decode step (warm-up compiles it)
+    # TEST-ONLY hook for exercising fault isolation in a running server. "nan:<marker>": rows
+    # whose prompt text contains <marker> get NaN logits; "raise:<marker>": the forward pass
+    # raises whenever such a row is in the batch. Never set it in production.
+    fault_injection: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "float16" and self.resolved_device() == "cpu":
+            raise ValueError("dtype float16 is only supported on a GPU; use bfloat16 or float32 on CPU")
+        for name in ("max_seqs", "max_queue", "prefill_budget"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.crop_policy not in CROP_POLICIES:
+            raise ValueError(f"crop_policy must be shift or sliding, got {self.crop_policy!r}")
+        if self.shift_keep is not None and self.shift_keep < 1:
+            raise ValueError(f"shift_keep must be a positive integer, got {self.shift_keep!r}")
+        if self.fault_injection is not None:
+            kind, _, marker = self.fault_injection.partition(":")
+            if kind not in ("nan", "raise") or not marker:
+                raise ValueError(
+                    "fault_injection must be 'nan:<marker>' or 'raise:<marker>', "
+                    f"got {self.fault_injection!r}"
+                )
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def keep_tokens(self, window: int) -> int:
+        """Tokens a context shift keeps: shift_keep clamped to the window (at least 1)."""
+        keep = self.shift_keep if self.shift_keep is not None else window // 2
+        return max(1, min(keep, window))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

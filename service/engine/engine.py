@@ -1,0 +1,292 @@
+"""The engine: one model, one thread that runs it, and the async API the HTTP layer calls.
+
+The model runs only on the engine thread (never on the event loop). Requests enter through
+`generate`, which validates and queues them (raising before it returns, so HTTP can reject with
+a status code); each step's token events go back to the requests' event loops in one callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from model.checkpoint import Checkpoint, load_checkpoint
+from model.tokenizer import Tokenizer, TokenizerError
+from service.engine.config import EngineConfig
+from service.engine.request import Request
+from service.engine.runner import ModelRunner
+from service.engine.scheduler import Scheduler, StepResult, WaitingQueue
+from service.engine.stream import GenerationStream
+from service.engine.types import (
+    EngineError,
+    EngineObserver,
+    EngineStats,
+    FinishReason,
+    InvalidRequest,
+    NotReady,
+    NullObserver,
+    Overloaded,
+    SamplingParams,
+    TokenEvent,
+)
+from service.engine.validation import crop_prompt, validate_ids, validate_params
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(
+        self, checkpoint: Checkpoint, config: EngineConfig, observer: EngineObserver | None = None
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.config = config
+        self.observer: EngineObserver = observer or NullObserver()
+        self.tokenizer: Tokenizer = checkpoint.tokenizer
+        self.window = checkpoint.config.block_size
+        self.device = config.resolved_device()
+        self.model = checkpoint.build_model(self.device, config.torch_dtype)
+        self.runner = ModelRunner(self.model, config.max_seqs, deterministic=config.deterministic)
+        self.scheduler = Scheduler(self.runner, self.tokenizer, config, self.window)
+        self._fault_kind, _, self._fault_marker = (config.fault_injection or "").partition(":")
+        self._waiting = WaitingQueue()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._draining = False
+        self._warm = False
+        self._crashed: str | None = None
+        self._unfinished = 0  # accepted requests whose final event is not out yet
+        log.info(
+            "engine: %s on %s/%s, %d slots x %d tokens, KV cache %.1f MiB",
+            checkpoint.name, self.device, config.dtype, config.max_seqs, self.window,
+            self.runner.cache.nbytes / 2**20,
+        )
+
+    @classmethod
+    def from_path(
+        cls, path: str | Path, config: EngineConfig, observer: EngineObserver | None = None
+    ) -> Engine:
+        return cls(load_checkpoint(path), config, observer)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
+        self._thread.start()
+
+    async def warmup(self) -> None:
+        """Run a greedy and a sampled generation so the first real request is not the slow one."""
+        for params in (
+            SamplingParams(max_new_tokens=4, temperature=0.0),
+            SamplingParams(max_new_tokens=4, temperature=1.0, top_k=5, top_p=0.9, seed=0, logprobs=True),
+        ):
+            stream = await self.generate([0] * min(8, self.window), params, request_id="warmup")
+            async for event in stream:
+                if event.finish_reason is FinishReason.ERROR:
+                    raise RuntimeError(f"warm-up generation failed: {event.error}")
+        self._warm = True
+
+    @property
+    def ready(self) -> bool:
+        return self._warm and not self._draining and self.health()
+
+    def health(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._crashed is None
+
+    async def shutdown(self, drain_timeout: float) -> None:
+        """Stop admitting; let accepted requests finish for up to `drain_timeout` seconds; then
+        end the rest with an error event and stop the thread."""
+        self._draining = True
+        end = time.monotonic() + max(0.0, drain_timeout)
+        while self._unfinished > 0 and time.monotonic() < end and self.health():
+            await asyncio.sleep(0.01)
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30.0)
+
+    # ---- requests ----------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text)
+        except TokenizerError as e:
+            raise InvalidRequest(str(e), param="inputs") from None
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> GenerationStream:
+        """Validate and queue; raises Overloaded / NotReady / InvalidRequest / PromptTooLong."""
+        try:
+            return self._submit(prompt, params, request_id or uuid.uuid4().hex)
+        except EngineError as e:
+            self._safe(self.observer.on_rejected, e.code)
+            raise
+
+    def _submit(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> GenerationStream:
+        if self._thread is None or self._stop or not self.health():
+            raise NotReady("the engine is not running")
+        if self._draining:
+            raise NotReady("the engine is shutting down")
+        vocab = self.tokenizer.vocab_size
+        validate_params(params, vocab)
+        if isinstance(prompt, str):
+            ids, text = self.encode(prompt), prompt
+        else:
+            ids = list(prompt)
+            validate_ids(ids, vocab)
+            text = self.tokenizer.decode(ids) if self._fault_marker else ""
+        if not ids:
+            if self.tokenizer.eos_id is None:
+                raise InvalidRequest("the prompt is empty: give at least one token", param="inputs")
+            ids = [self.tokenizer.eos_id]  # GPT-2 convention: unconditional text follows <|endoftext|>
+        kept, cropped = crop_prompt(ids, self.window, params.truncate, self.config.reject_long_prompts)
+        loop = asyncio.get_running_loop()
+        req = Request(
+            request_id=request_id,
+            prompt_ids=kept,
+            params=params,
+            seed=params.seed if params.seed is not None else secrets.randbits(63),
+            cropped=cropped,
+            tokenizer=self.tokenizer,
+            loop=loop,
+            queue=asyncio.Queue(),
+            fault=self._fault_kind if self._fault_marker and self._fault_marker in text else None,
+        )
+        with self._cond:
+            if len(self._waiting) >= self.config.max_queue:
+                raise Overloaded(
+                    f"{len(self._waiting)} requests are already waiting (max_queue "
+                    f"{self.config.max_queue}); retry later",
+                    retry_after_s=1.0,
+                )
+            self._waiting.items.append(req)
+            self._unfinished += 1
+            self._cond.notify()
+        return GenerationStream(req, self._cancel)
+
+    def _cancel(self, req: Request) -> None:
+        req.cancelled = True
+        with self._cond:
+            self._cond.notify()
+
+    # ---- introspection -----------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            running=len(s.running),
+            waiting=len(self._waiting),
+            slots_used=self.config.max_seqs - len(s.free_slots),
+            slots_total=self.config.max_seqs,
+            kv_cache_bytes=self.runner.cache.nbytes,
+            steps=s.steps,
+            extra={
+                "generated_tokens_total": float(s.generated_tokens),
+                "prefill_tokens_total": float(s.prefilled_tokens),
+                "context_shifts_total": float(s.context_shifts),
+            },
+        )
+
+    def info(self) -> dict[str, Any]:
+        cfg = self.checkpoint.config
+        return {
+            "model": self.checkpoint.name,
+            "model_config": cfg.to_dict(),
+            "parameters": self.model.num_params(non_embedding=False),
+            "tokenizer": {"kind": self.tokenizer.kind, "vocab_size": self.tokenizer.vocab_size,
+                          "eos_id": self.tokenizer.eos_id},
+            "window": self.window,
+            "device": self.device,
+            "dtype": self.config.dtype,
+            "max_seqs": self.config.max_seqs,
+            "max_queue": self.config.max_queue,
+            "prefill_budget": self.config.prefill_budget,
+            "crop_policy": self.config.crop_policy,
+            "shift_keep": self.config.keep_tokens(self.window),
+            "reject_long_prompts": self.config.reject_long_prompts,
+            "deterministic": self.config.deterministic,
+            "kv_cache_bytes": self.runner.cache.nbytes,
+            "provenance": self.checkpoint.provenance,
+        }
+
+    # ---- the engine thread -------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._loop_once():
+                pass
+        except BaseException as e:  # a bug in the loop itself: report unhealthy, fail everyone
+            self._crashed = f"{type(e).__name__}: {e}"
+            log.exception("engine thread crashed")
+        self._fail_remaining(self._crashed or "the engine shut down before the request finished")
+
+    def _loop_once(self) -> bool:
+        with self._cond:
+            while not self._stop and not self.scheduler.running and not len(self._waiting):
+                self._cond.wait()
+            if self._stop:
+                return False
+            now = time.perf_counter()
+            early = self._waiting.reap(now)
+            while self.scheduler.has_free_slot and len(self._waiting):
+                self.scheduler.admit(self._waiting.items.popleft(), now)
+        t0 = time.perf_counter()
+        try:
+            result = self.scheduler.step()
+        except Exception as e:  # fail this step's requests, keep serving
+            log.exception("engine step failed")
+            result = StepResult()
+            self.scheduler.fail_all(f"engine step failed: {type(e).__name__}: {e}", result)
+        duration = time.perf_counter() - t0
+        result.events[:0] = early
+        # Observer first: metrics already count a request when its client sees it end.
+        if result.batch_size:
+            self._safe(self.observer.on_step, duration, result.batch_size, result.prefill_tokens)
+        for _, event in result.events:
+            if event.finish_reason is not None and event.usage is not None:
+                self._safe(self.observer.on_finish, event.finish_reason, event.usage)
+        self._publish(result.events)
+        return True
+
+    def _fail_remaining(self, message: str) -> None:
+        result = StepResult()
+        self.scheduler.fail_all(message, result)
+        with self._cond:
+            now = time.perf_counter()
+            while len(self._waiting):
+                req = self._waiting.items.popleft()
+                result.events.append((req, req.final_event(FinishReason.ERROR, now, error=message)))
+        self._publish(result.events)
+
+    def _publish(self, events: list[tuple[Request, TokenEvent]]) -> None:
+        """Hand events to their event loops: one thread-safe callback per loop per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Request, TokenEvent]]] = {}
+        for req, event in events:
+            by_loop.setdefault(req.loop, []).append((req, event))
+            if event.finish_reason is not None:
+                with self._cond:
+                    self._unfinished -= 1
+        for loop, pairs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, pairs)
+            except RuntimeError:  # the caller's event loop is gone: nobody will read these
+                for req, _ in pairs:
+                    req.cancelled = True
+
+    @staticmethod
+    def _safe(fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:  # an observer bug must not stop generation
+            log.exception("engine observer hook %s failed", getattr(fn, "__name__", fn))
+
+
+def _put_all(pairs: list[tuple[Request, TokenEvent]]) -> None:
+    for req, event in pairs:
+        req.queue.put_nowait(event)

@@ -1,0 +1,198 @@
+"""The tensor side of a step: batched forwards over the KV cache slots, then sampling.
+
+The scheduler decides *what* runs (which rows, which tokens, which positions); the runner turns
+that into as few forward passes as possible and isolates failures to the rows that caused them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from model.gpt import GPT
+from model.sampling import (
+    SamplingBatch,
+    choose_tokens,
+    process_logits,
+    seeded_uniform,
+    token_logprobs,
+)
+from service.engine.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the test-only fault injection hook (EngineConfig.fault_injection)."""
+
+
+@dataclass
+class WorkItem:
+    """Feed `tokens` of `req` at positions start.. into its slot; sample if `completes`."""
+
+    req: Request
+    tokens: list[int]
+    start: int
+    completes: bool
+
+
+@dataclass
+class SampleResult:
+    """Host-side results of one step's sampling, row-aligned with the rows that sampled."""
+
+    reqs: list[Request]
+    tokens: list[int]
+    finite: list[bool]
+    logprobs: list[float] | None
+    top_logprobs: list[list[float]] | None
+    top_ids: list[list[int]] | None
+
+
+class ModelRunner:
+    def __init__(self, model: GPT, slots: int, deterministic: bool = False) -> None:
+        self.model = model
+        self.device = model.wte.weight.device
+        self.cache = model.new_cache(slots)
+        self.vocab = model.config.vocab_size
+        self.deterministic = deterministic
+        # Penalty state per slot, kept on the device so a step never rebuilds it from lists:
+        # which tokens the context holds (repetition) and how often each was generated (OpenAI).
+        self.seen = torch.zeros(slots, self.vocab, dtype=torch.bool, device=self.device)
+        self.counts = torch.zeros(slots, self.vocab, dtype=torch.int32, device=self.device)
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward(self, items: list[WorkItem]) -> tuple[dict[int, torch.Tensor], dict[int, str]]:
+        """Run every item; returns last-position logits per item index (only for items that
+        complete their context) and an error text per failed item index."""
+        groups: dict[int, list[int]] = {}
+        for i, item in enumerate(items):
+            key = i if self.deterministic else -len(item.tokens)  # deterministic: rows alone
+            groups.setdefault(key, []).append(i)
+        logits: dict[int, torch.Tensor] = {}
+        errors: dict[int, str] = {}
+        for idx in groups.values():
+            self._run_isolated(items, idx, logits, errors)
+        return logits, errors
+
+    def _run_isolated(
+        self, items: list[WorkItem], idx: list[int], out: dict[int, torch.Tensor], errors: dict[int, str]
+    ) -> None:
+        """Forward a group; if it raises, bisect so only the culprit rows fail."""
+        try:
+            rows = self._run_group([items[i] for i in idx])
+        except Exception as e:  # any failure is isolated to its rows
+            if len(idx) == 1:
+                log.warning("request %s failed in forward: %s", items[idx[0]].req.request_id, e)
+                errors[idx[0]] = f"forward pass failed: {type(e).__name__}: {e}"
+                return
+            half = len(idx) // 2
+            self._run_isolated(items, idx[:half], out, errors)
+            self._run_isolated(items, idx[half:], out, errors)
+            return
+        for j, i in enumerate(idx):
+            if items[i].completes:
+                out[i] = rows[j]
+
+    @torch.inference_mode()
+    def _run_group(self, items: list[WorkItem]) -> torch.Tensor:
+        if any(item.req.fault == "raise" for item in items):
+            raise InjectedFault("injected fault (fault_injection raise)")
+        t = len(items[0].tokens)
+        idx = torch.tensor([item.tokens for item in items], dtype=torch.long, device=self.device)
+        start = torch.tensor([item.start for item in items], dtype=torch.long, device=self.device)
+        pos = start.view(-1, 1) + torch.arange(t, device=self.device).view(1, -1)  # (G, T)
+        slots = torch.tensor([item.req.slot for item in items], dtype=torch.long, device=self.device)
+        logits = self.model(idx, input_pos=pos, cache=self.cache, slots=slots, last_only=True)[:, -1, :]
+        nan_rows = [j for j, item in enumerate(items) if item.req.fault == "nan"]
+        if nan_rows:
+            logits = logits.clone()
+            logits[nan_rows] = float("nan")
+        return logits  # (G, V)
+
+    # ---- penalty state -------------------------------------------------------------------
+    def reset_slot(self, req: Request) -> None:
+        if not _uses_penalties(req):
+            return
+        self.seen[req.slot].zero_()
+        self.counts[req.slot].zero_()
+        self.seen[req.slot, torch.tensor(req.prompt_ids, device=self.device)] = True
+
+    def _record(self, reqs: list[Request], tokens: torch.Tensor) -> None:
+        rows = [j for j, r in enumerate(reqs) if _uses_penalties(r)]
+        if not rows:
+            return
+        sel = torch.tensor(rows, device=self.device)
+        slots = torch.tensor([reqs[j].slot for j in rows], device=self.device)
+        toks = tokens[sel]
+        self.seen[slots, toks] = True
+        self.counts.index_put_((slots, toks), torch.ones_like(toks, dtype=torch.int32), accumulate=True)
+
+    # ---- sampling ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def sample(self, reqs: list[Request], logits: torch.Tensor) -> SampleResult:
+        """Sample one token for each row of logits (N, V); non-finite rows are flagged."""
+        finite = torch.isfinite(logits).all(dim=-1)
+        logits = torch.where(finite.view(-1, 1), logits, 0.0)
+        batch = self._batch(reqs)
+        slots = torch.tensor([r.slot for r in reqs], device=self.device)
+        penal = batch.repetition_penalty is not None or batch.frequency_penalty is not None
+        processed = process_logits(
+            logits, batch,
+            seen=self.seen.index_select(0, slots) if penal else None,
+            counts=self.counts.index_select(0, slots) if penal else None,
+        )
+        tokens = choose_tokens(processed, batch)
+        self._record(reqs, tokens)
+        top_n = max(r.params.top_n_tokens for r in reqs)
+        want_lp = top_n > 0 or any(r.params.logprobs for r in reqs)
+        lp = top_v = top_i = None
+        if want_lp:
+            lp, top_v, top_i = token_logprobs(logits, tokens, top_n)
+        return SampleResult(
+            reqs=reqs,
+            tokens=tokens.tolist(),
+            finite=finite.tolist(),
+            logprobs=lp.tolist() if lp is not None else None,
+            top_logprobs=top_v.tolist() if top_v is not None else None,
+            top_ids=top_i.tolist() if top_i is not None else None,
+        )
+
+    def _batch(self, reqs: list[Request]) -> SamplingBatch:
+        dev = self.device
+        ps = [r.params for r in reqs]
+
+        def col(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=dev).view(-1, 1)
+
+        temps = [p.temperature for p in ps]
+        batch = SamplingBatch(
+            temperature=col(temps),
+            greedy=torch.tensor([t == 0 for t in temps], device=dev),
+            uniform=torch.tensor(
+                [seeded_uniform(r.seed, len(r.generated)) for r in reqs], dtype=torch.float64, device=dev
+            ),
+            all_greedy=all(t == 0 for t in temps),
+        )
+        ks = [p.top_k if p.top_k else self.vocab for p in ps]
+        if any(k < self.vocab for k in ks):
+            batch.top_k = torch.tensor(ks, dtype=torch.long, device=dev).view(-1, 1).clamp(1, self.vocab)
+            batch.top_k_max = min(max(ks), self.vocab)
+        if any(p.top_p is not None and p.top_p < 1 for p in ps):
+            batch.top_p = col([p.top_p if p.top_p is not None else 1.0 for p in ps])
+        if any(p.min_p for p in ps):
+            batch.min_p = col([p.min_p or 0.0 for p in ps])
+        if any(p.typical_p is not None and p.typical_p < 1 for p in ps):
+            batch.typical_p = col([p.typical_p if p.typical_p is not None else 1.0 for p in ps])
+        if any(p.repetition_penalty not in (None, 1.0) for p in ps):
+            batch.repetition_penalty = col([p.repetition_penalty or 1.0 for p in ps])
+        if any(p.frequency_penalty or p.presence_penalty for p in ps):
+            batch.frequency_penalty = col([p.frequency_penalty for p in ps])
+            batch.presence_penalty = col([p.presence_penalty for p in ps])
+        return batch
+
+
+def _uses_penalties(req: Request) -> bool:
+    p = req.params
+    return p.repetition_penalty not in (None, 1.0) or bool(p.frequency_penalty or p.presence_penalty)

@@ -1,0 +1,210 @@
+"""Iteration-level (continuous) batching: what runs in each step.
+
+A step admits waiting requests into free KV slots, plans work for every running sequence (the
+next prompt chunk within the prefill budget, or one decode token), runs it through the
+`ModelRunner`, samples, and turns each sampled token into an event. Requests that finish, fail
+or are cancelled give back their slot in the same step.
+
+Context cropping lives here too. Positions are learned embeddings, so a sequence that outgrows
+the window must be recomputed from a cropped context:
+- `sliding`: after every token keep the last `window` tokens and re-prefill them (exactly
+  nanoGPT's `generate`; costs a full-window prefill per token once past the window);
+- `shift`: when the context would exceed the window, keep its last `keep` tokens and
+  re-prefill them once; the next `window - keep` tokens decode from the cache again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from model.tokenizer import Tokenizer
+from service.engine.config import EngineConfig
+from service.engine.request import Request
+from service.engine.runner import ModelRunner, SampleResult, WorkItem
+from service.engine.types import FinishReason, TokenEvent, TopToken
+
+
+@dataclass
+class StepResult:
+    events: list[tuple[Request, TokenEvent]] = field(default_factory=list)
+    batch_size: int = 0  # rows that ran this step
+    prefill_tokens: int = 0  # prompt / re-prefill tokens fed this step
+    decode_tokens: int = 0
+
+    @property
+    def finished(self) -> list[tuple[Request, TokenEvent]]:
+        return [(r, e) for r, e in self.events if e.finish_reason is not None]
+
+
+class Scheduler:
+    """Owned by the engine thread; nothing here is thread-safe."""
+
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig, window: int) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.window = window
+        self.keep = config.keep_tokens(window)
+        self.eos_id = tokenizer.eos_id
+        self.free_slots = list(range(config.max_seqs))
+        self.running: list[Request] = []  # in admission order (FIFO for prefill)
+        self.steps = 0
+        self.context_shifts = 0
+        self.generated_tokens = 0
+        self.prefilled_tokens = 0
+
+    @property
+    def has_free_slot(self) -> bool:
+        return bool(self.free_slots)
+
+    def admit(self, req: Request, now: float) -> None:
+        req.slot = self.free_slots.pop(0)
+        req.scheduled_at = now
+        self.running.append(req)
+        self.runner.reset_slot(req)
+
+    def release(self, req: Request) -> None:
+        if req.slot >= 0:
+            self.free_slots.append(req.slot)
+            self.free_slots.sort()  # lowest first: batches stay dense in the cache
+            req.slot = -1
+        if req in self.running:
+            self.running.remove(req)
+
+    def reap(self, now: float, result: StepResult) -> None:
+        """End running requests that were cancelled or ran out of time before this step."""
+        for req in list(self.running):
+            if req.cancelled:
+                self._end(req, result, req.final_event(FinishReason.CANCELLED, now))
+            elif req.deadline is not None and now >= req.deadline:
+                self._end(req, result, req.final_event(FinishReason.LENGTH, now))
+
+    def fail_all(self, message: str, result: StepResult) -> None:
+        now = time.perf_counter()
+        for req in list(self.running):
+            self._end(req, result, req.final_event(FinishReason.ERROR, now, error=message))
+
+    def _end(self, req: Request, result: StepResult, event: TokenEvent) -> None:
+        self.release(req)
+        result.events.append((req, event))
+
+    def plan(self) -> list[WorkItem]:
+        """Decode rows (one pending token) always run; prompt chunks run FIFO within the budget.
+
+        A chunk is min(pending, prefill_budget) whatever else runs, so a request is cut into the
+        same chunks alone or batched (the first chunk of a step always fits the budget).
+        """
+        items: list[WorkItem] = []
+        budget = self.config.prefill_budget
+        for req in self.running:
+            pending = req.pending
+            if pending == 1:
+                items.append(WorkItem(req, req.ctx[-1:], req.n_cached, completes=True))
+                continue
+            chunk = min(pending, self.config.prefill_budget)
+            if chunk > budget:
+                continue
+            budget -= chunk
+            tokens = req.ctx[req.n_cached : req.n_cached + chunk]
+            items.append(WorkItem(req, tokens, req.n_cached, completes=chunk == pending))
+        return items
+
+    def step(self) -> StepResult:
+        result = StepResult()
+        now = time.perf_counter()
+        self.reap(now, result)
+        items = self.plan()
+        if not items:
+            return result
+        self.steps += 1
+        logits, errors = self.runner.forward(items)
+        done = time.perf_counter()
+        for i, item in enumerate(items):
+            req, n = item.req, len(item.tokens)
+            if i in errors:
+                self._end(req, result, req.final_event(FinishReason.ERROR, done, error=errors[i]))
+                continue
+            req.n_cached += n
+            if n > 1 or req.prefill_done_at is None:
+                result.prefill_tokens += n
+            if item.completes and req.prefill_done_at is None:
+                req.prefill_done_at = done
+        result.batch_size = len(items)
+        self.prefilled_tokens += result.prefill_tokens
+        rows = [i for i in sorted(logits) if i not in errors]
+        if rows:
+            sampled = self.runner.sample([items[i].req for i in rows], torch.stack([logits[i] for i in rows]))
+            self._emit(sampled, result)
+        return result
+
+    def _emit(self, sampled: SampleResult, result: StepResult) -> None:
+        now = time.perf_counter()
+        for j, req in enumerate(sampled.reqs):
+            if not sampled.finite[j]:
+                event = req.final_event(
+                    FinishReason.ERROR, now, error="the model produced non-finite logits (NaN/inf)"
+                )
+                self._end(req, result, event)
+                continue
+            token = sampled.tokens[j]
+            event = req.accept_token(token, self.eos_id, _logprob(sampled, j), self._top(sampled, j), now)
+            result.decode_tokens += 1
+            self.generated_tokens += 1
+            if req.finished:
+                self._end(req, result, event)
+                continue
+            result.events.append((req, event))
+            self._extend_context(req, token)
+
+    def _extend_context(self, req: Request, token: int) -> None:
+        req.ctx.append(token)
+        if len(req.ctx) <= self.window:
+            return
+        # The context outgrew the window: crop and recompute (see the module docstring).
+        keep = self.window if self.config.crop_policy == "sliding" else self.keep
+        req.ctx = req.ctx[-keep:]
+        req.n_cached = 0
+        req.shifts += 1
+        self.context_shifts += 1
+
+    def _top(self, sampled: SampleResult, j: int) -> tuple[TopToken, ...]:
+        n = sampled.reqs[j].params.top_n_tokens
+        if n <= 0 or sampled.top_ids is None or sampled.top_logprobs is None:
+            return ()
+        ids, lps = sampled.top_ids[j][:n], sampled.top_logprobs[j][:n]
+        return tuple(TopToken(i, self.tokenizer.id_to_piece(i), lp) for i, lp in zip(ids, lps, strict=True))
+
+
+def _logprob(sampled: SampleResult, j: int) -> float | None:
+    params = sampled.reqs[j].params
+    if sampled.logprobs is None or not (params.logprobs or params.top_n_tokens):
+        return None
+    return sampled.logprobs[j]
+
+
+class WaitingQueue:
+    """FIFO of requests not yet admitted; guarded by the engine's lock."""
+
+    def __init__(self) -> None:
+        self.items: deque[Request] = deque()
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def reap(self, now: float) -> list[tuple[Request, TokenEvent]]:
+        """Remove cancelled and expired requests, returning their final events."""
+        out: list[tuple[Request, TokenEvent]] = []
+        for req in list(self.items):
+            if req.cancelled:
+                out.append((req, req.final_event(FinishReason.CANCELLED, now)))
+            elif req.deadline is not None and now >= req.deadline:
+                msg = f"deadline of {req.params.deadline_s}s passed before the request was scheduled"
+                out.append((req, req.final_event(FinishReason.ERROR, now, error=msg)))
+            else:
+                continue
+            self.items.remove(req)
+        return out

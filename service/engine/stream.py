@@ -1,0 +1,53 @@
+"""The async iterator a caller gets from `Engine.generate`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from service.engine.request import Request
+from service.engine.types import TokenEvent
+
+
+class GenerationStream:
+    """Yields a request's TokenEvents; the last carries finish_reason and usage.
+
+    Closing it early (`aclose()`, or cancelling the task awaiting it) cancels the request: the
+    engine frees its slot at the start of its next step.
+    """
+
+    def __init__(self, request: Request, cancel: Callable[[Request], None]) -> None:
+        self._request = request
+        self._cancel = cancel
+        self._done = False
+        self.request_id = request.request_id
+        self.prompt_tokens = len(request.prompt_ids)
+        self.cropped_tokens = request.cropped
+        self.seed = request.seed
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            event = await self._request.queue.get()
+        except asyncio.CancelledError:
+            self._close()
+            raise
+        if event.finish_reason is not None:
+            self._done = True
+        return event
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._cancel(self._request)
+
+    @property
+    def done(self) -> bool:
+        return self._done

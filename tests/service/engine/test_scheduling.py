@@ -1,0 +1,176 @@
+"""Admission, cancellation, overload, deadlines, shutdown, observer hooks and engine introspection."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from model.checkpoint import Checkpoint
+from service.engine.types import (
+    FinishReason,
+    InvalidRequest,
+    NotReady,
+    Overloaded,
+    PromptTooLong,
+    SamplingParams,
+    Usage,
+)
+from tests.service.engine.conftest import EngineFactory, collect
+
+
+async def wait_for(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    end = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < end, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+async def test_cancel_frees_the_slot_within_a_step(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_seqs=1)
+    stream = await engine.generate("Hello", SamplingParams(max_new_tokens=10_000, temperature=0.0))
+    first = await stream.__anext__()
+    assert first.token_id is not None
+    assert engine.stats().slots_used == 1
+    steps_at_cancel = engine.stats().steps
+    await stream.aclose()
+    await wait_for(lambda: engine.stats().slots_used == 0)
+    # Freed at the start of the next step at the latest (one step may have been in flight).
+    assert engine.stats().steps <= steps_at_cancel + 2
+    # The freed slot is immediately usable.
+    events = await collect(engine, "abc", max_new_tokens=3, temperature=0.0)
+    assert events[-1].finish_reason is FinishReason.LENGTH
+
+
+async def test_cancelling_the_consumer_task_cancels_the_request(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_seqs=1)
+    stream = await engine.generate("Hello", SamplingParams(max_new_tokens=10_000, temperature=0.0))
+
+    async def consume() -> None:
+        async for _ in stream:
+            pass
+
+    task = asyncio.create_task(consume())
+    await wait_for(lambda: engine.stats().running == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_for(lambda: engine.stats().slots_used == 0)
+
+
+async def test_queue_overflow_raises_overloaded_before_returning(make_engine: EngineFactory) -> None:
+    rejected: list[str] = []
+
+    class Obs:
+        def on_step(self, duration_s: float, batch_size: int, prefill_tokens: int) -> None: ...
+        def on_finish(self, reason: FinishReason, usage: Usage) -> None: ...
+        def on_rejected(self, reason: str) -> None:
+            rejected.append(reason)
+
+    engine = make_engine(max_seqs=1, max_queue=2, observer=Obs())
+    long = SamplingParams(max_new_tokens=10_000, temperature=0.0)
+    running = await engine.generate("a", long)
+    await wait_for(lambda: engine.stats().running == 1)
+    queued = [await engine.generate("b", long), await engine.generate("c", long)]
+    assert engine.stats().waiting == 2
+    with pytest.raises(Overloaded) as err:
+        await engine.generate("d", long)
+    assert err.value.retry_after_s > 0
+    assert rejected == ["overloaded"]
+    for s in (running, *queued):
+        await s.aclose()
+    await wait_for(lambda: engine.stats().running == 0 and engine.stats().waiting == 0)
+
+
+async def test_long_prompt_cropped_or_rejected(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    stream = await engine.generate("x" * 50, SamplingParams(max_new_tokens=1, temperature=0.0))
+    assert (stream.prompt_tokens, stream.cropped_tokens) == (32, 18)
+    await stream.aclose()
+    strict = make_engine(reject_long_prompts=True)
+    with pytest.raises(PromptTooLong) as err:
+        await strict.generate("x" * 50, SamplingParams(max_new_tokens=1))
+    assert (err.value.prompt_tokens, err.value.max_tokens) == (50, 32)
+    # `truncate` is the request's own, explicit crop: allowed even when long prompts are rejected.
+    events = await collect(strict, "x" * 50, max_new_tokens=1, truncate=10, temperature=0.0)
+    assert events[-1].usage is not None and events[-1].usage.cropped_tokens == 40
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(top_n_tokens=1000), "top_n_tokens"),
+        (dict(stop=("",)), "stop"),
+        (dict(seed=-5), "seed"),
+    ],
+)
+async def test_invalid_params_name_the_parameter(
+    make_engine: EngineFactory, params: dict[str, object], param: str
+) -> None:
+    engine = make_engine()
+    with pytest.raises(InvalidRequest) as err:
+        await engine.generate("a", SamplingParams(**params))  # type: ignore[arg-type]
+    assert err.value.param == param and param in str(err.value)
+
+
+async def test_unrepresentable_text_is_an_invalid_request(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    with pytest.raises(InvalidRequest, match="U\\+00E9"):
+        await engine.generate("caf\u00e9", SamplingParams())
+    with pytest.raises(InvalidRequest, match="token id"):
+        await engine.generate([1, 999], SamplingParams())
+
+
+async def test_deadline_ends_a_running_request(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    events = await collect(engine, "a", max_new_tokens=100_000, temperature=0.0, deadline_s=0.3)
+    assert events[-1].finish_reason is FinishReason.LENGTH
+    assert 0 < len(events) < 100_000
+
+
+async def test_shutdown_drains_then_fails_the_rest(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_seqs=2)
+    short = await engine.generate("a", SamplingParams(max_new_tokens=5, temperature=0.0))
+    endless = await engine.generate("b", SamplingParams(max_new_tokens=1_000_000, temperature=0.0))
+    await engine.shutdown(drain_timeout=0.5)
+    short_events = [e async for e in short]
+    endless_events = [e async for e in endless]
+    assert short_events[-1].finish_reason is FinishReason.LENGTH
+    assert endless_events[-1].finish_reason is FinishReason.ERROR and endless_events[-1].error
+    assert not engine.health() and not engine.ready
+    with pytest.raises(NotReady):
+        await engine.generate("c", SamplingParams())
+
+
+async def test_warmup_ready_stats_info_and_observer(make_engine: EngineFactory, lively: Checkpoint) -> None:
+    steps: list[tuple[float, int, int]] = []
+    finished: list[FinishReason] = []
+
+    class Obs:
+        def on_step(self, duration_s: float, batch_size: int, prefill_tokens: int) -> None:
+            steps.append((duration_s, batch_size, prefill_tokens))
+
+        def on_finish(self, reason: FinishReason, usage: Usage) -> None:
+            finished.append(reason)
+
+        def on_rejected(self, reason: str) -> None: ...
+
+    engine = make_engine(observer=Obs(), max_seqs=3)
+    assert engine.health() and not engine.ready
+    await engine.warmup()
+    assert engine.ready
+    steps.clear()
+    finished.clear()
+    events = await collect(engine, "Hello", max_new_tokens=4, temperature=0.0)
+    assert events[-1].usage is not None and events[-1].usage.generated_tokens == 4
+    assert finished == [FinishReason.LENGTH]
+    assert steps[0][1:] == (1, 5)  # the first step prefilled the 5 prompt tokens
+    assert all(d > 0 and b == 1 and p == 0 for d, b, p in steps[1:])
+    stats = engine.stats()
+    assert (stats.slots_total, stats.running, stats.waiting) == (3, 0, 0)
+    assert stats.kv_cache_bytes == engine.runner.cache.nbytes > 0
+    info = engine.info()
+    assert info["window"] == 32 and info["max_seqs"] == 3 and info["crop_policy"] == "shift"
