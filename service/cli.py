@@ -7,12 +7,14 @@ import sys
 
 from model.hf_cli import add_hf_parsers
 from model.training.cli import add_train_parser
+from service.serve_cli import add_serve_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve", description="Serve and train small GPT models.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_parser(sub)
+    add_serve_parser(sub)
     add_hf_parsers(sub)
     return parser
 

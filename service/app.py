@@ -1,0 +1,164 @@
+"""The FastAPI application: `create_app(settings)` builds it; the lifespan loads the model.
+
+Layout of a request (outermost first): RequestContextMiddleware (arrival time, X-Request-Id,
+access log) -> CORS (only when origins are configured) -> the metrics middleware -> DrainGate
+(503 while shutting down) -> BodyLimitMiddleware (413) -> FastAPI (auth dependency app-wide,
+routes, the shared error handlers of service/errors.py).
+
+Integration points for other modules:
+
+1. Routers. The OpenAI-compatible API and the chat page add themselves in `_include_routers`:
+   `app.include_router(openai_router)` / `app.include_router(chat_router)`. The API-key
+   dependency is app-wide, so nothing extra is needed; `GET /` is public for the chat page
+   (service/auth.py). Routes get the engine with `engine: EngineDep` and settings with
+   `settings: SettingsDep` (service/deps.py, re-exported here), and run generations through
+   service/generation.py (`start_generation`, `collect`) and service/sse.py (`event_stream`),
+   so limits, metrics, the access log, keep-alives, disconnects and error events behave the same
+   on every route.
+2. Metrics. `service.metrics.Metrics` (one per app, `app.state.metrics`): its `observer` is passed
+   to the Engine, `bind_engine(engine)` after the engine is built, `install(app)` adds the HTTP
+   middleware, `track_stream(stream, route, arrival)` wraps every generation (done by
+   `start_generation`), `render()` serves GET /metrics (routes/system.py).
+3. `request.state.arrival` (time.perf_counter() at the very start of the request) and
+   `request.state.request_id` are set for every request by RequestContextMiddleware.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from model.checkpoint import Checkpoint, load_checkpoint
+from service.access_log import RequestContextMiddleware
+from service.auth import require_api_key
+from service.deps import EngineDep, SettingsDep, get_engine, get_settings, server_version
+from service.engine.config import EngineConfig
+from service.engine.engine import Engine
+from service.errors import install_error_handlers
+from service.metrics import Metrics
+from service.request_guard import BodyLimitMiddleware, DrainGate
+from service.settings import Settings
+
+log = logging.getLogger("nanoserve.app")
+
+__all__ = ["EngineDep", "SettingsDep", "create_app", "drain", "get_engine", "get_settings"]
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    """The engine's settings, taken from the server's (raises ValueError naming a bad combination)."""
+    return EngineConfig(
+        device=settings.device,
+        dtype=settings.dtype,
+        max_seqs=settings.max_seqs,
+        max_queue=settings.max_queue,
+        prefill_budget=settings.prefill_budget,
+        crop_policy=settings.crop_policy,
+        shift_keep=settings.shift_keep,
+        reject_long_prompts=settings.reject_long_prompts,
+        deterministic=settings.deterministic,
+        compile=settings.compile,
+        fault_injection=settings.fault_injection,
+    )
+
+
+class Lifecycle:
+    """Readiness and draining, shared by the routes, the drain gate and `nanoserve serve`."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.drained = asyncio.Event()
+
+    def is_draining(self) -> bool:
+        return self.draining
+
+
+async def drain(app: FastAPI, timeout_s: float) -> None:
+    """Stop admitting (readiness 503, new requests 503), let in-flight requests finish, stop the engine."""
+    lifecycle: Lifecycle = app.state.lifecycle
+    if lifecycle.draining:
+        return
+    lifecycle.draining = True
+    engine: Engine | None = app.state.engine
+    log.info("draining: waiting up to %.1fs for in-flight requests", timeout_s)
+    try:
+        if engine is not None:
+            await engine.shutdown(timeout_s)
+    finally:
+        lifecycle.drained.set()
+        log.info("drained")
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    checkpoint: Checkpoint | None = app.state.checkpoint
+    if checkpoint is None:
+        checkpoint = await asyncio.to_thread(load_checkpoint, settings.checkpoint)
+    metrics: Metrics = app.state.metrics
+    config = engine_config(settings)
+    engine = await asyncio.to_thread(Engine, checkpoint, config, metrics.observer)
+    metrics.bind_engine(engine)
+    engine.start()
+    try:
+        await engine.warmup()
+        app.state.engine = engine
+        log.info("serving %s (window %d) on %s", checkpoint.name, engine.window, config.resolved_device())
+        yield
+    finally:
+        app.state.engine = None
+        await drain_engine(engine, 0.0 if app.state.lifecycle.draining else settings.drain_timeout)
+
+
+async def drain_engine(engine: Engine, timeout_s: float) -> None:
+    try:
+        await engine.shutdown(timeout_s)
+    except Exception:
+        log.exception("engine shutdown failed")
+
+
+def _include_routers(app: FastAPI) -> None:
+    from service.routes.native import router as native_router
+    from service.routes.system import router as system_router
+
+    app.include_router(system_router)
+    app.include_router(native_router)
+
+
+def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | None = None) -> FastAPI:
+    """The ASGI app. `checkpoint`, when given, is served instead of loading `settings.checkpoint`."""
+    settings = settings or Settings()
+    app = FastAPI(
+        title="nanoserve",
+        version=server_version(),
+        description="Text generation for small GPT models: TGI-style native API and an "
+        "OpenAI-compatible API, with SSE streaming.",
+        lifespan=lifespan,
+        dependencies=[Depends(require_api_key)],
+    )
+    app.state.settings = settings
+    app.state.checkpoint = checkpoint
+    app.state.engine = None
+    app.state.api_keys = settings.api_key_values()
+    app.state.lifecycle = Lifecycle()
+    app.state.metrics = Metrics()
+    install_error_handlers(app)
+    _include_routers(app)
+    # add_middleware wraps: the last one added is the outermost.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(DrainGate, is_draining=app.state.lifecycle.is_draining)
+    app.state.metrics.install(app)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+            expose_headers=["X-Request-Id", "Retry-After"],
+        )
+    app.add_middleware(RequestContextMiddleware)
+    return app

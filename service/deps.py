@@ -1,0 +1,36 @@
+"""Typed FastAPI dependencies every route uses: the running engine and the settings."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from service.engine.engine import Engine
+from service.engine.types import NotReady
+from service.settings import Settings
+
+
+def get_engine(request: Request) -> Engine:
+    """The running engine; 503 while it is loading or after shutdown."""
+    engine: Engine | None = request.app.state.engine
+    if engine is None:
+        raise NotReady("the model is not loaded yet")
+    return engine
+
+
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+EngineDep = Annotated[Engine, Depends(get_engine)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+
+def server_version() -> str:
+    try:
+        return version("nanoserve")
+    except PackageNotFoundError:
+        return "0+unknown"

@@ -1,0 +1,181 @@
+"""One generation as the HTTP layer runs it, shared by the native and the OpenAI routes.
+
+    gen = await start_generation(request, engine, prompt, params)   # rejections raise here (4xx/503)
+    result = await collect(request, gen)                             # non-streaming
+    return event_stream(gen.events, render, keepalive_s=..., on_close=gen.aclose)   # streaming
+
+`start_generation` enforces the server's prompt cap, calls `Engine.generate` (which raises
+Overloaded / NotReady / InvalidRequest before anything is sent; the app's handlers map them to
+429 / 503 / 422), and wraps the stream so metrics and the access log see every event.
+`collect` cancels the generation when the client goes away and turns an engine error into a 500
+with the shared error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+
+from service.access_log import record_of
+from service.engine.types import FinishReason, InvalidRequest, SamplingParams, TokenEvent
+from service.errors import APIError
+from service.settings import Settings
+
+if TYPE_CHECKING:
+    from service.engine.engine import Engine, GenerationStream
+
+
+@dataclass
+class Generation:
+    stream: GenerationStream
+    events: AsyncIterator[TokenEvent]  # the stream's events, seen by metrics and the access log
+
+    async def aclose(self) -> None:
+        """Cancel (if still running) and free the engine slot; safe to call twice."""
+        aclose = getattr(self.events, "aclose", None)
+        try:
+            if aclose is not None:
+                await aclose()
+        finally:
+            await self.stream.aclose()
+
+
+@dataclass
+class Completed:
+    """A finished non-streaming generation."""
+
+    events: list[TokenEvent] = field(default_factory=list)
+
+    @property
+    def final(self) -> TokenEvent:
+        return self.events[-1]
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events)
+
+    @property
+    def tokens(self) -> list[TokenEvent]:
+        """Events that carry a generated token (the last one may not)."""
+        return [e for e in self.events if e.token_id is not None]
+
+
+def route_template(request: Request) -> str:
+    route = request.scope.get("route")
+    return str(getattr(route, "path", request.url.path))
+
+
+async def start_generation(
+    request: Request,
+    engine: Engine,
+    prompt: str | list[int],
+    params: SamplingParams,
+    *,
+    param: str = "inputs",
+) -> Generation:
+    """Validate the prompt against the server caps and submit it; raises before any response.
+
+    `param` names the request field holding the prompt, for error messages.
+    """
+    limit = request.app.state.settings.max_prompt_tokens
+    if not prompt:
+        raise APIError(422, f"{param} must not be empty", code="empty_prompt", param=param)
+    n_tokens = len(await encode(engine, prompt, param)) if isinstance(prompt, str) else len(prompt)
+    if n_tokens > limit:
+        raise APIError(422, f"{param} has {n_tokens} tokens, more than this server's limit of {limit}",
+                       code="prompt_too_long", param=param)
+    record = record_of(request)
+    try:
+        stream = await engine.generate(prompt, params, request_id=record.request_id)
+    except InvalidRequest as exc:
+        exc.param = exc.param or param
+        raise
+    arrival: float = request.state.arrival
+    tracked = request.app.state.metrics.track_stream(stream, route_template(request), arrival)
+    return Generation(stream, _recorded(tracked, request))
+
+
+async def encode(engine: Engine, text: str, param: str = "inputs") -> list[int]:
+    """Token ids of `text` (off the event loop: a long prompt takes a while); 422 names `param`."""
+    try:
+        return await asyncio.to_thread(engine.encode, text)
+    except InvalidRequest as exc:
+        exc.param = param  # the engine says "inputs"; the OpenAI routes call it "prompt"/"messages"
+        raise
+
+
+async def _recorded(events: AsyncIterator[TokenEvent], request: Request) -> AsyncIterator[TokenEvent]:
+    record = record_of(request)
+    async for event in events:
+        record.observe(event)
+        yield event
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # After the body is read, the next ASGI message can only be the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _drain(gen: Generation, out: Completed) -> None:
+    async for event in gen.events:
+        out.events.append(event)
+        if event.finish_reason is not None:
+            return
+
+
+async def collect(request: Request, gen: Generation) -> Completed:
+    """Run a generation to its end; a client disconnect cancels it and frees the slot."""
+    out = Completed()
+    consume = asyncio.ensure_future(_drain(gen, out))
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({consume, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not consume.done():
+            consume.cancel()
+        await gen.aclose()
+    if consume.cancelled() or not consume.done():
+        record_of(request).finish_reason = FinishReason.CANCELLED.value
+        raise APIError(499, "client disconnected", code="client_disconnected")
+    consume.result()  # re-raise an unexpected failure (answered as a clean 500)
+    if not out.events or out.final.finish_reason is None:
+        raise APIError(500, "the generation ended without a finish reason", code="internal_error")
+    if out.final.finish_reason is FinishReason.ERROR:
+        reason = out.final.error or "engine error"
+        raise APIError(500, f"generation failed: {reason}", code="generation_error")
+    return out
+
+
+def elapsed_since_arrival(request: Request) -> float:
+    return time.perf_counter() - float(request.state.arrival)
+
+
+def check_limits(
+    settings: Settings,
+    *,
+    max_new_tokens: tuple[str, int],
+    stop: tuple[str, Sequence[str]] = ("stop", ()),
+    top_n: tuple[str, int] = ("top_n_tokens", 0),
+) -> None:
+    """The server caps on a request, each given as (field name for the error, value)."""
+    name, n = max_new_tokens
+    if n > settings.max_new_tokens:
+        raise APIError(422, f"{name} is {n}, more than this server's limit of {settings.max_new_tokens}",
+                       code="max_new_tokens_too_large", param=name)
+    name, stops = stop
+    if len(stops) > settings.max_stop_sequences:
+        raise APIError(422, f"{name} has {len(stops)} stop sequences, more than this server's limit of "
+                       f"{settings.max_stop_sequences}", code="too_many_stop_sequences", param=name)
+    name, n = top_n
+    if n > settings.max_top_n_tokens:
+        raise APIError(422, f"{name} is {n}, more than this server's limit of {settings.max_top_n_tokens}",
+                       code="top_n_tokens_too_large", param=name)

@@ -1,0 +1,67 @@
+"""Limits applied before a route runs: request body size (413) and draining (503).
+
+Both are ASGI middleware rather than dependencies so they cover every route, including the ones
+other modules add, and so an over-long body is refused while it streams in, not after buffering it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.errors import APIError, error_response
+
+# Probes and scrapes keep answering while the server drains.
+ALWAYS_OPEN = frozenset({"/health", "/ready", "/metrics"})
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies larger than `max_bytes` with 413, by Content-Length or while reading."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body exceeds the server's limit of {self.max_bytes} bytes",
+                        code="body_too_large")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for key, value in scope.get("headers", []):
+            if key.lower() == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                exc = self._too_large()
+                await error_response(413, exc.message, code=exc.code)(scope, receive, send)
+                return
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    # Raised inside FastAPI's body parsing, which re-raises HTTPExceptions as they are.
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+class DrainGate:
+    """While draining, everything but probes and metrics gets 503 + Retry-After."""
+
+    def __init__(self, app: ASGIApp, is_draining: Callable[[], bool]) -> None:
+        self.app = app
+        self.is_draining = is_draining
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in ALWAYS_OPEN and self.is_draining():
+            response = error_response(503, "the server is shutting down", code="draining",
+                                      headers={"Retry-After": "1", "Connection": "close"})
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

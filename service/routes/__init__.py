@@ -1,0 +1,1 @@
+"""HTTP routes: thin translations between request schemas and `Engine.generate`."""

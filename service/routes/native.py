@@ -1,0 +1,206 @@
+"""The native API in text-generation-inference's shapes: /generate, /generate_stream, POST /,
+/tokenize and /info. Routes validate, call the engine, and translate its token events."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from service.deps import EngineDep, SettingsDep, server_version
+from service.engine.types import SamplingParams, TokenEvent, TopToken
+from service.errors import APIError
+from service.generation import Completed, check_limits, collect, encode, start_generation
+from service.schemas.common import GENERATION_ERRORS, error_responses, sse_response_doc
+from service.schemas.native import (
+    Details,
+    GenerateParameters,
+    GenerateRequest,
+    GenerateResponse,
+    Info,
+    SimpleToken,
+    StreamDetails,
+    StreamResponse,
+    Token,
+    TokenizeRequest,
+)
+from service.settings import Settings
+from service.sse import event_stream, sse_event
+
+router = APIRouter(tags=["native (TGI)"])
+
+_JSON_OR_SSE: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "A GenerateResponse, or with `stream: true` an SSE stream of StreamResponse events.",
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/GenerateResponse"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+}
+
+
+def sampling_params(p: GenerateParameters, settings: Settings) -> SamplingParams:
+    """TGI parameters -> the engine's, after the server's caps."""
+    max_new = p.max_new_tokens or settings.default_max_new_tokens
+    check_limits(
+        settings,
+        max_new_tokens=("parameters.max_new_tokens", max_new),
+        stop=("parameters.stop", p.stop or []),
+        top_n=("parameters.top_n_tokens", p.top_n_tokens or 0),
+    )
+    sample = p.sampling()
+    return SamplingParams(
+        max_new_tokens=max_new,
+        temperature=(1.0 if p.temperature is None else p.temperature) if sample else 0.0,
+        top_k=p.top_k if sample else None,
+        top_p=p.top_p if sample else None,
+        min_p=p.min_p if sample else None,
+        typical_p=p.typical_p if sample else None,
+        repetition_penalty=p.repetition_penalty,
+        frequency_penalty=p.frequency_penalty or 0.0,
+        presence_penalty=p.presence_penalty or 0.0,
+        stop=tuple(p.stop or ()),
+        seed=p.seed,
+        logprobs=True,  # TGI reports every token's logprob
+        top_n_tokens=p.top_n_tokens or 0,
+        truncate=p.truncate,
+    )
+
+
+def _token(event: TokenEvent) -> Token:
+    # A last event without a new token (e.g. a time budget ran out) still has to carry a token in
+    # TGI's stream shape: it is marked special with id -1 and holds any held-back text.
+    if event.token_id is None:
+        return Token(id=-1, text=event.text, logprob=None, special=True)
+    return Token(id=event.token_id, text=event.text, logprob=event.logprob, special=event.special)
+
+
+def _top(tops: Iterable[TopToken], special_id: int | None) -> list[Token]:
+    return [Token(id=t.id, text=t.text, logprob=t.logprob, special=t.id == special_id) for t in tops]
+
+
+async def _generate_json(request: Request, engine: EngineDep, body: GenerateRequest) -> GenerateResponse:
+    params = sampling_params(body.parameters, request.app.state.settings)
+    gen = await start_generation(request, engine, body.inputs, params)
+    done: Completed = await collect(request, gen)
+    final, usage = done.final, done.final.usage
+    assert final.finish_reason is not None and usage is not None
+    text = (body.inputs if body.parameters.return_full_text else "") + done.text
+    if not body.parameters.details:
+        return GenerateResponse(generated_text=text)
+    eos = engine.tokenizer.eos_id
+    with_top = bool(body.parameters.top_n_tokens)
+    details = Details(
+        finish_reason=final.finish_reason.value,  # type: ignore[arg-type]  # ERROR/CANCELLED raised above
+        generated_tokens=usage.generated_tokens,
+        prompt_tokens=usage.prompt_tokens,
+        cropped_tokens=usage.cropped_tokens,
+        seed=usage.seed,
+        tokens=[_token(e) for e in done.tokens],
+        top_tokens=[_top(e.top_tokens, eos) for e in done.tokens] if with_top else None,
+    )
+    return GenerateResponse(generated_text=text, details=details)
+
+
+async def _generate_sse(request: Request, engine: EngineDep, body: GenerateRequest) -> Response:
+    settings: Settings = request.app.state.settings
+    params = sampling_params(body.parameters, settings)
+    gen = await start_generation(request, engine, body.inputs, params)
+    prefix = body.inputs if body.parameters.return_full_text else ""
+    parts: list[str] = []
+    eos = engine.tokenizer.eos_id
+    with_top = bool(body.parameters.top_n_tokens)
+
+    def render(event: TokenEvent) -> Iterable[bytes]:
+        parts.append(event.text)
+        out = StreamResponse(
+            index=event.index,
+            token=_token(event),
+            top_tokens=_top(event.top_tokens, eos) if with_top else None,
+        )
+        if event.finish_reason is not None and event.usage is not None:
+            u = event.usage
+            out.generated_text = prefix + "".join(parts)
+            out.details = StreamDetails(
+                finish_reason=event.finish_reason.value,  # type: ignore[arg-type]
+                generated_tokens=u.generated_tokens, prompt_tokens=u.prompt_tokens,
+                cropped_tokens=u.cropped_tokens, input_length=u.prompt_tokens, seed=u.seed,
+            )
+        yield sse_event(out)
+
+    return event_stream(gen.events, render, keepalive_s=settings.keepalive_interval, on_close=gen.aclose)
+
+
+@router.post("/generate", response_model=GenerateResponse, responses={**GENERATION_ERRORS, **_JSON_OR_SSE})
+async def generate(request: Request, engine: EngineDep, body: GenerateRequest) -> Response | GenerateResponse:
+    """Generate text for a prompt (TGI's /generate); `stream: true` answers with SSE instead."""
+    if body.stream:
+        return await _generate_sse(request, engine, body)
+    return await _generate_json(request, engine, body)
+
+
+@router.post(
+    "/generate_stream",
+    response_class=Response,
+    responses={**GENERATION_ERRORS, **sse_response_doc("One event per token.", StreamResponse)},
+)
+async def generate_stream(request: Request, engine: EngineDep, body: GenerateRequest) -> Response:
+    """Stream tokens as server-sent events; the last event carries generated_text and details."""
+    return await _generate_sse(request, engine, body)
+
+
+@router.post("/", response_model=GenerateResponse, responses={**GENERATION_ERRORS, **_JSON_OR_SSE})
+async def compat_generate(
+    request: Request, engine: EngineDep, body: GenerateRequest
+) -> Response | GenerateResponse:
+    """TGI's compatibility route (clients pointed at the base URL): /generate, or SSE if `stream`."""
+    return await generate(request, engine, body)
+
+
+@router.post(
+    "/tokenize", response_model=list[SimpleToken], responses=error_responses(401, 413, 415, 422, 503)
+)
+async def tokenize(engine: EngineDep, settings: SettingsDep, body: TokenizeRequest) -> list[SimpleToken]:
+    """Split text into the model's tokens, with each token's character offsets in the input."""
+    ids = await encode(engine, body.inputs)
+    if len(ids) > settings.max_prompt_tokens:
+        raise APIError(422, f"inputs has {len(ids)} tokens, more than this server's limit of "
+                       f"{settings.max_prompt_tokens}", code="prompt_too_long", param="inputs")
+    out: list[SimpleToken] = []
+    cursor = 0
+    for token_id in ids:
+        piece = engine.tokenizer.id_to_piece(token_id)
+        # Pieces appear verbatim in the input for char/word/byte-level BPE tokens; a piece that is
+        # part of a multi-byte character does not, and gets an empty span at the cursor.
+        start = body.inputs.find(piece, cursor) if piece else -1
+        if start < 0:
+            start = stop = cursor
+        else:
+            stop = cursor = start + len(piece)
+        out.append(SimpleToken(id=token_id, text=piece, start=start, stop=stop))
+    return out
+
+
+@router.get("/info", response_model=Info, responses=error_responses(401, 503))
+async def info(engine: EngineDep, settings: SettingsDep) -> Info:
+    """The served model, its checkpoint's provenance, the server's limits and version."""
+    report = engine.info()
+    return Info(
+        model_id=str(report.get("model", engine.checkpoint.name)),
+        model_dtype=str(report.get("dtype", settings.dtype)),
+        model_device_type=str(report.get("device", settings.device)),
+        max_concurrent_requests=settings.max_seqs,
+        max_waiting_requests=settings.max_queue,
+        max_stop_sequences=settings.max_stop_sequences,
+        max_input_tokens=settings.max_prompt_tokens,
+        max_new_tokens=settings.max_new_tokens,
+        max_total_tokens=settings.max_prompt_tokens + settings.max_new_tokens,
+        max_top_n_tokens=settings.max_top_n_tokens,
+        max_body_bytes=settings.max_body_bytes,
+        window=engine.window,
+        version=server_version(),
+        engine=report,
+    )

@@ -1,0 +1,62 @@
+"""Shapes shared by every API: the error body, and the strict field types requests are built from.
+
+Strict means no coercion: `true` is not a number, `"5"` is not an integer, NaN and infinities are
+refused, so a client's mistake is a 422 naming the field instead of a silent surprise.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+# A non-negative integer that fits the engine's seed (u64 in TGI; 63 bits keep torch happy).
+Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
+MAX_STOP_LENGTH = 256  # characters in one stop string
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="What went wrong, naming the offending field or limit.")
+    type: str = Field(description="Class of error, e.g. invalid_request_error, rate_limit_error.")
+    code: str = Field(description="Machine-readable reason, e.g. missing, overloaded, body_too_large.")
+    param: str | None = Field(default=None, description="The offending request field (dotted path), if any.")
+
+
+class ErrorResponse(BaseModel):
+    """Every error response has this body."""
+
+    error: ErrorDetail
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI documentation of the error statuses a route can answer with."""
+    descriptions = {
+        401: "Missing or invalid API key.",
+        413: "Request body too large.",
+        415: "Body is not JSON.",
+        422: "Invalid request (the message names the field).",
+        429: "Overloaded: retry after `Retry-After` seconds.",
+        500: "Generation failed inside the engine.",
+        503: "Not ready, or shutting down.",
+    }
+    return {s: {"model": ErrorResponse, "description": descriptions[s]} for s in statuses}
+
+
+# What every generation route can answer besides 200.
+GENERATION_ERRORS = error_responses(401, 413, 415, 422, 429, 500, 503)
+
+
+def sse_response_doc(description: str, model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI for a 200 that is a text/event-stream of `model` events (JSON in each `data:`)."""
+    return {
+        200: {
+            "description": description,
+            "content": {
+                "text/event-stream": {
+                    "schema": {"type": "string", "description": f"SSE; each `data:` is a {model.__name__}."},
+                }
+            },
+        }
+    }

@@ -1,0 +1,202 @@
+"""The native API's shapes, as Hugging Face text-generation-inference (TGI) defines them.
+
+Requests are strict (see schemas/common.py). TGI parameters this server does not implement are
+declared so that clients sending their neutral value (`huggingface_hub` sends `"watermark": false`)
+keep working, while a request that really asks for one gets a 422 saying so.
+Extensions over TGI: `min_p`, `presence_penalty`, and `prompt_tokens` / `cropped_tokens` in details.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from service.schemas.common import MAX_STOP_LENGTH, STRICT, Seed
+
+FinishReasonName = Literal["length", "eos_token", "stop_sequence"]
+
+
+def _unsupported(field: str, why: str) -> PydanticCustomError:
+    return PydanticCustomError("unsupported", f"`{field}` is not supported by this server: {why}")
+
+
+class GenerateParameters(BaseModel):
+    """Generation parameters. With no sampling parameter and no `do_sample`, decoding is greedy."""
+
+    model_config = STRICT
+
+    max_new_tokens: int | None = Field(
+        default=None, ge=1, description="Tokens to generate (server default if null)."
+    )
+    do_sample: bool | None = Field(
+        default=None,
+        description="true: sample; false: greedy (sampling parameters are then ignored); null: sample "
+        "when any of temperature/top_k/top_p/typical_p/min_p is set, else greedy (TGI's rule).",
+    )
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0, description="0 means greedy.")
+    top_k: int | None = Field(default=None, ge=1)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="Extension: min_p * p(top) floor.")
+    typical_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    repetition_penalty: float | None = Field(
+        default=None, gt=0.0, le=100.0, description="> 1 discourages repeats."
+    )
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(
+        default=None, ge=-2.0, le=2.0, description="Extension (OpenAI style)."
+    )
+    stop: list[str] | None = Field(
+        default=None, description="Stop strings; generation ends before the first match."
+    )
+    seed: Seed | None = Field(default=None, description="Same seed + same request = same tokens.")
+    details: bool = Field(
+        default=False, description="Return `details` (finish reason, tokens, logprobs, seed)."
+    )
+    return_full_text: bool = Field(default=False, description="Prepend the prompt to `generated_text`.")
+    truncate: int | None = Field(
+        default=None, ge=1, description="Keep only the last `truncate` prompt tokens."
+    )
+    top_n_tokens: int | None = Field(default=None, ge=0, description="Top alternatives per token.")
+    # TGI features not implemented: accepted only with their neutral value.
+    decoder_input_details: bool = Field(default=False, description="Not supported (false only).")
+    watermark: bool = Field(default=False, description="Not supported (false only).")
+    best_of: int | None = Field(default=None, description="Not supported (1 or null only).")
+    grammar: dict[str, Any] | None = Field(default=None, description="Not supported (null only).")
+    adapter_id: str | None = Field(default=None, description="Not supported (null only).")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: list[str] | None) -> list[str] | None:
+        for i, s in enumerate(stop or []):
+            if not s:
+                raise PydanticCustomError(
+                    "value_error", "stop[{i}] is empty; stop strings must be non-empty", {"i": i}
+                )
+            if len(s) > MAX_STOP_LENGTH:
+                raise PydanticCustomError(
+                    "value_error", "stop[{i}] is longer than {n} characters", {"i": i, "n": MAX_STOP_LENGTH}
+                )
+        return stop
+
+    @field_validator("decoder_input_details", "watermark")
+    @classmethod
+    def _false_only(cls, value: bool, info: ValidationInfo) -> bool:
+        if value:
+            raise _unsupported(str(info.field_name), "only false is accepted")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_only(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise _unsupported("best_of", f"got {value}; only one sequence per request")
+        return value
+
+    @field_validator("grammar", "adapter_id")
+    @classmethod
+    def _null_only(cls, value: object, info: ValidationInfo) -> object:
+        if value is not None:
+            raise _unsupported(str(info.field_name), "send null or leave it out")
+        return value
+
+    def sampling(self) -> bool:
+        """Whether to sample (else greedy), by TGI's rule plus an explicit do_sample=false."""
+        if self.do_sample is not None:
+            return self.do_sample
+        warpers = (self.temperature, self.top_k, self.top_p, self.typical_p, self.min_p)
+        return any(w is not None for w in warpers)
+
+
+class GenerateRequest(BaseModel):
+    """Body of POST /generate, POST /generate_stream and POST / (TGI's shape)."""
+
+    model_config = STRICT
+
+    inputs: str = Field(min_length=1, description="The prompt.")
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+    stream: bool = Field(
+        default=False, description="POST /generate and POST /: answer with the SSE stream instead."
+    )
+
+
+class Token(BaseModel):
+    id: int
+    text: str
+    logprob: float | None = None
+    special: bool
+
+
+class Details(BaseModel):
+    finish_reason: FinishReasonName
+    generated_tokens: int
+    prompt_tokens: int = Field(description="Prompt tokens the model saw (after cropping/truncation).")
+    cropped_tokens: int = Field(description="Prompt tokens dropped from the left to fit the window.")
+    seed: int | None
+    prefill: list[Token] = Field(default_factory=list, description="Always empty (decoder_input_details).")
+    tokens: list[Token]
+    top_tokens: list[list[Token]] | None = None
+    best_of_sequences: None = None
+
+
+class GenerateResponse(BaseModel):
+    generated_text: str
+    details: Details | None = None
+
+
+class StreamDetails(BaseModel):
+    finish_reason: FinishReasonName
+    generated_tokens: int
+    prompt_tokens: int
+    cropped_tokens: int
+    input_length: int = Field(description="TGI's name for prompt_tokens.")
+    seed: int | None
+
+
+class StreamResponse(BaseModel):
+    """One SSE event of /generate_stream; the last one has `generated_text` and `details`."""
+
+    index: int
+    token: Token
+    top_tokens: list[Token] | None = None
+    generated_text: str | None = None
+    details: StreamDetails | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = STRICT
+
+    inputs: str = Field(description="Text to tokenize.")
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="Accepted for TGI compatibility; ignored."
+    )
+
+
+class SimpleToken(BaseModel):
+    id: int
+    text: str
+    start: int = Field(description="Character offset of the token's text in `inputs`.")
+    stop: int
+
+
+class Info(BaseModel):
+    """GET /info: TGI's fields, plus the model, checkpoint provenance and limits."""
+
+    model_id: str
+    model_dtype: str
+    model_device_type: str
+    model_pipeline_tag: str = "text-generation"
+    max_concurrent_requests: int
+    max_waiting_requests: int
+    max_best_of: int = 1
+    max_stop_sequences: int
+    max_input_tokens: int
+    max_new_tokens: int
+    max_total_tokens: int
+    max_top_n_tokens: int
+    max_body_bytes: int
+    window: int
+    router: str = "nanoserve"
+    version: str
+    engine: dict[str, Any] = Field(description="The engine's own report: model config, checkpoint, limits.")

@@ -1,0 +1,123 @@
+"""Server settings: one typed object read from flags and `NANOSERVE_*` environment variables.
+
+Nothing here runs at import: `Settings()` is built by `nanoserve serve` (flags override the
+environment) or by a test, and handed to `create_app(settings)`. Model hyperparameters are not
+settings; they come from the checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+# The repository root when installed editable (`make serve`), so the default checkpoint is found
+# whatever the working directory is.
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CHECKPOINT = PROJECT_ROOT / "checkpoints" / "shakespeare-char"
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+
+
+def _split_commas(value: object) -> object:
+    # `NANOSERVE_API_KEYS=a,b` reads better than a JSON list in an environment file.
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+class Settings(BaseSettings):
+    """Everything an operator can set. Every field is `--flag` or `NANOSERVE_FIELD`."""
+
+    model_config = SettingsConfigDict(env_prefix="NANOSERVE_", extra="ignore", validate_default=True)
+
+    # What to serve, where.
+    checkpoint: Path = Field(default=DEFAULT_CHECKPOINT, description="Checkpoint directory to serve.")
+    device: str = Field(
+        default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="auto|cpu|cuda[:N]"
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    host: str = Field(default="127.0.0.1", min_length=1)
+    port: int = Field(default=8000, ge=0, le=65535)
+
+    # Engine (passed to EngineConfig).
+    max_seqs: int = Field(default=16, ge=1, le=4096, description="KV slots = max concurrent sequences.")
+    max_queue: int = Field(default=64, ge=1, description="Waiting requests beyond which new ones get 429.")
+    prefill_budget: int = Field(default=256, ge=1, description="Prompt tokens prefilled per engine step.")
+    crop_policy: Literal["shift", "sliding"] = "shift"
+    shift_keep: int | None = Field(default=None, ge=1, description="Tokens kept on a context shift.")
+    reject_long_prompts: bool = Field(default=False, description="422 instead of cropping over-long prompts.")
+    deterministic: bool = False
+    compile: bool = False
+    fault_injection: str | None = Field(
+        default=None, description="Test builds only: a fault the engine injects (see the engine's docs)."
+    )
+
+    # Request limits.
+    max_prompt_tokens: int = Field(
+        default=32768, ge=1, description="Longer prompts are refused (before cropping)."
+    )
+    max_new_tokens: int = Field(default=4096, ge=1, description="Cap on a request's max_new_tokens.")
+    default_max_new_tokens: int = Field(default=64, ge=1, description="Used when a request sets none.")
+    max_stop_sequences: int = Field(default=8, ge=0)
+    max_top_n_tokens: int = Field(default=5, ge=0, description="Cap on top_n_tokens / top_logprobs.")
+    max_body_bytes: int = Field(default=1 << 20, ge=1024, description="Larger request bodies get 413.")
+
+    # Security.
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="Accepted bearer keys, comma-separated; empty = no auth."
+    )
+    metrics_require_auth: bool = False
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Origins allowed cross-origin access; empty = CORS off."
+    )
+
+    # Lifecycle and logs.
+    drain_timeout: float = Field(default=30.0, ge=0, le=3600, allow_inf_nan=False)
+    keepalive_interval: float = Field(
+        default=15.0,
+        gt=0,
+        le=300,
+        allow_inf_nan=False,
+        description="Seconds between SSE keep-alive comments.",
+    )
+    log_level: LogLevel = "info"
+    log_format: Literal["text", "json"] = "text"
+
+    @field_validator("api_keys", "cors_origins", mode="before")
+    @classmethod
+    def _comma_list(cls, value: object) -> object:
+        return _split_commas(value)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_not_blank(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        for key in keys:
+            if len(key.get_secret_value()) < 8:
+                raise ValueError("every API key must be at least 8 characters long")
+        return keys
+
+    @field_validator("checkpoint")
+    @classmethod
+    def _absolute(cls, path: Path) -> Path:
+        return path.expanduser().resolve()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.default_max_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds "
+                f"max_new_tokens ({self.max_new_tokens})"
+            )
+        return self
+
+    def api_key_values(self) -> list[bytes]:
+        """The keys as bytes, for constant-time comparison (never log these)."""
+        return [key.get_secret_value().encode() for key in self.api_keys]
