@@ -61,26 +61,10 @@ MODEL_INFO_LABELS = ("checkpoint", "parameters", "device", "dtype", "window")
 
 
 def model_info_labels(info: dict[str, Any]) -> dict[str, str]:
-    """The model-info labels from `Engine.info()`, looking in its top level and its sections.
-
-    `info()` is the /info payload, organised for humans; this picks the five values wherever the
-    engine put them (e.g. `{"model": {"parameters": ...}, "engine": {"device": ...}}`).
-    """
-    aliases = {
-        "checkpoint": ("checkpoint", "name", "model_name", "id"),
-        "parameters": ("parameters", "parameter_count", "n_params", "num_parameters"),
-        "device": ("device",),
-        "dtype": ("dtype",),
-        "window": ("window", "context_window", "max_context", "block_size"),
-    }
-    sections = [info] + [v for v in info.values() if isinstance(v, dict)]
-    labels = {}
-    for label, keys in aliases.items():
-        value = next(
-            (s[k] for k in keys for s in sections if isinstance(s.get(k), (str, int, float))), ""
-        )
-        labels[label] = str(value)
-    return labels
+    """The model-info labels from `Engine.info()` (the GET /info payload)."""
+    keys = {"checkpoint": "model", "parameters": "parameters", "device": "device", "dtype": "dtype",
+            "window": "window"}
+    return {label: str(info.get(key, "")) for label, key in keys.items()}
 
 
 class EngineCollector(Collector):

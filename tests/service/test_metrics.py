@@ -188,8 +188,9 @@ class FakeEngine:
         return self.stats_value
 
     def info(self) -> dict[str, object]:
-        return {"model": {"name": "tiny-test", "parameters": 12345, "block_size": 64},
-                "engine": {"device": "cpu", "dtype": "float32"}}
+        # The shape of Engine.info() (the /info payload), trimmed.
+        return {"model": "tiny-test", "parameters": 12345, "window": 64, "device": "cpu", "dtype": "float32",
+                "model_config": {"block_size": 64}, "max_queue": 64}
 
 
 def test_engine_gauges_are_read_at_scrape_time_and_idle_reads_zero() -> None:
