@@ -264,6 +264,8 @@ def _provenance(
         "seed": cfg.seed,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
         "command": cfg.command,
+        # A resumed run keeps the commands that produced it, in order.
+        "commands": [*old.get("commands", []), cfg.command],
     }
 
 
