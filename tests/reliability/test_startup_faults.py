@@ -1,0 +1,141 @@
+"""A broken checkpoint stops `nanoserve serve` before the port opens, with one clear message.
+
+Every variant runs `nanoserve serve`'s code in-process with the server's `run` replaced by a
+failure, so reaching the point of opening the port fails the test; one variant also runs as a real
+process, to check its exit status, its output and that the port never accepted a connection.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.service.server import start_server
+
+WEIGHTS = "model.safetensors"
+
+
+def _tensors(d: Path) -> dict[str, torch.Tensor]:
+    # Clone: load_file memory-maps the file, and rewriting a mapped file under it is a SIGBUS.
+    return {k: v.clone() for k, v in load_file(d / WEIGHTS).items()}
+
+
+def _truncate(d: Path) -> None:
+    data = (d / WEIGHTS).read_bytes()
+    (d / WEIGHTS).write_bytes(data[: len(data) // 2])
+
+
+def _tamper_header(d: Path) -> None:
+    data = bytearray((d / WEIGHTS).read_bytes())
+    data[12:40] = b"}" * 28  # inside the JSON header that says where each tensor lives
+    (d / WEIGHTS).write_bytes(bytes(data))
+
+
+def _tamper_values(d: Path) -> None:
+    tensors = _tensors(d)
+    tensors["wte.weight"][3, 5] = float("nan")
+    save_file(tensors, str(d / WEIGHTS))
+
+
+def _wrong_shape(d: Path) -> None:
+    tensors = _tensors(d)
+    tensors["wte.weight"] = torch.zeros(7, 3)
+    save_file(tensors, str(d / WEIGHTS))
+
+
+def _pickle_as_weights(d: Path) -> None:
+    tensors = _tensors(d)
+    (d / WEIGHTS).unlink()
+    torch.save(tensors, d / WEIGHTS)  # a torch.save (pickle) file under the safetensors name
+
+
+def _pickle_beside(d: Path) -> None:
+    tensors = _tensors(d)
+    (d / WEIGHTS).unlink()
+    torch.save(tensors, d / "pytorch_model.bin")
+
+
+def _missing(d: Path) -> None:
+    shutil.rmtree(d)
+
+
+# name -> (how to break a copy of a good checkpoint, words the error line must contain)
+VARIANTS: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
+    "missing": (_missing, ("not found",)),
+    "truncated": (_truncate, (WEIGHTS, "safetensors")),
+    "tampered-header": (_tamper_header, (WEIGHTS, "safetensors")),
+    "tampered-values": (_tamper_values, (WEIGHTS, "wte.weight", "NaN")),
+    "wrong-shape": (_wrong_shape, (WEIGHTS, "wte.weight", "shape")),
+    "pickle-as-weights": (_pickle_as_weights, (WEIGHTS, "safetensors")),
+    "pickle-beside": (_pickle_beside, ("pytorch_model.bin", "pickle")),
+}
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _broken(tiny_checkpoint: Path, tmp_path: Path, name: str) -> Path:
+    ckpt = tmp_path / name
+    shutil.copytree(tiny_checkpoint, ckpt)
+    VARIANTS[name][0](ckpt)
+    return ckpt
+
+
+def _assert_one_clear_line(name: str, output: str) -> None:
+    lines = [line for line in output.splitlines() if line.strip()]
+    words = VARIANTS[name][1]
+    assert "Traceback" not in output, output
+    assert len(lines) == 1 and all(w in lines[0] for w in words), (
+        f"{name}: expected one line naming {words}, got:\n{output}"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_broken_checkpoint_is_one_clear_error_before_serving(
+    name: str, tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`nanoserve serve`'s own code path, in-process: it must return before uvicorn would start."""
+    from service import serve_cli
+    from service.cli import main
+
+    def would_serve(self: object) -> None:
+        raise AssertionError("the server was about to open its port")
+
+    monkeypatch.setattr(serve_cli.DrainingServer, "run", would_serve)
+    for key in [k for k in os.environ if k.startswith("NANOSERVE_")]:
+        monkeypatch.delenv(key)
+    ckpt = _broken(tiny_checkpoint, tmp_path, name)
+    status = main(["serve", "--checkpoint", str(ckpt), "--port", "0", "--device", "cpu"])
+    captured = capsys.readouterr()
+    assert status != 0
+    _assert_one_clear_line(name, captured.err + captured.out)
+
+
+def test_served_process_exits_nonzero_and_port_never_opens(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """The real `nanoserve serve` process given a pickle as weights: exit status, output, port."""
+    clean = {k: "" for k in os.environ if k.startswith("NANOSERVE_")}
+    server = start_server(_broken(tiny_checkpoint, tmp_path, "pickle-as-weights"), env=clean)
+    try:
+        deadline, opened = time.monotonic() + 90, False
+        while server.process.poll() is None and time.monotonic() < deadline:
+            opened = opened or _port_open(server.port)
+            time.sleep(0.05)
+        assert server.process.poll() is not None, "still running after 90 s"
+        assert server.process.returncode != 0
+        assert not opened, "the port opened"
+        _assert_one_clear_line("pickle-as-weights", server.logs())
+    finally:
+        server.stop(timeout=5)
+        server.log_path.unlink(missing_ok=True)
