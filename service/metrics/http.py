@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from starlette.routing import BaseRoute, Match
@@ -30,16 +31,37 @@ def arrival_time(scope: Scope) -> float:
     return float(state.setdefault("arrival", time.perf_counter()))
 
 
-def route_template(routes: list[BaseRoute], scope: Scope) -> str:
+def leaf_routes(routes: Iterable[BaseRoute]) -> Iterator[BaseRoute]:
+    """The routes to match against, with FastAPI's lazily included routers opened up.
+
+    Recent FastAPI keeps `include_router(...)` as one `_IncludedRouter` entry (no `path`) holding the
+    original router; without a prefix its routes match the request path as they are. Anything else is
+    matched as a whole (and falls back to the route the router records in the scope).
+    """
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        prefix = getattr(getattr(route, "include_context", None), "prefix", None)
+        if inner is not None and prefix == "":
+            yield from leaf_routes(inner.routes)
+        else:
+            yield route
+
+
+def match_route(routes: Iterable[BaseRoute], scope: Scope) -> str | None:
     """The path template the router will pick (`/v1/models`, not a raw URL), the way Starlette does."""
     partial = None
-    for route in routes:
+    for route in leaf_routes(routes):
         match, _ = route.matches(scope)
         if match is Match.FULL:
-            return str(getattr(route, "path", UNMATCHED_ROUTE))
+            return getattr(route, "path", None)
         if match is Match.PARTIAL and partial is None:
             partial = route  # e.g. the right path with the wrong method: answered with a 405
-    return str(getattr(partial, "path", UNMATCHED_ROUTE)) if partial else UNMATCHED_ROUTE
+    return getattr(partial, "path", None)
+
+
+def routed_template(scope: Scope) -> str | None:
+    """The template of the route the router chose (Starlette and FastAPI record it in the scope)."""
+    return getattr(scope.get("route"), "path", None)
 
 
 class HTTPMetricsMiddleware:
@@ -55,7 +77,9 @@ class HTTPMetricsMiddleware:
             await self.app(scope, receive, send)
             return
         arrival = arrival_time(scope)
-        route = route_template(self._routes, scope)
+        # Known before the app runs, for the in-flight gauge; requests a middleware answers
+        # (503 while draining, 413) never reach the router, so this is also their label.
+        planned = match_route(self._routes, scope) or UNMATCHED_ROUTE
         method = scope["method"] if scope["method"] in _METHODS else "other"
         status: int | None = None
 
@@ -65,7 +89,7 @@ class HTTPMetricsMiddleware:
                 status = int(message["status"])
             await send(message)
 
-        in_flight = self._m.http_in_flight.labels(route=route)
+        in_flight = self._m.http_in_flight.labels(route=planned)
         in_flight.inc()
         code = "500"  # an exception before any response reaches the server-error handler: a 500
         try:
@@ -77,5 +101,6 @@ class HTTPMetricsMiddleware:
             in_flight.dec()
             if status is not None:
                 code = str(status)
+            route = routed_template(scope) or planned
             self._m.http_requests.labels(route=route, method=method, code=code).inc()
             self._m.http_duration.labels(route=route).observe(time.perf_counter() - arrival)
