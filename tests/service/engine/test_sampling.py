@@ -1,0 +1,164 @@
+"""model/sampling.py's vectorised processors equal a straightforward per-row implementation,
+and seeded sampling gives a request the same tokens alone or batched."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from model.checkpoint import Checkpoint
+from model.sampling import (
+    apply_additive_penalties,
+    apply_repetition_penalty,
+    min_p_mask,
+    sample_from_logits,
+    seeded_uniform,
+    top_k_mask,
+    top_p_mask,
+    typical_mask,
+)
+from tests.service.engine.conftest import EngineFactory, collect, token_ids
+
+NEG = float("-inf")
+
+
+def rows(n: int = 6, v: int = 50, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, v, generator=g) * 3
+    logits[0, :5] = logits[0].max() + 1  # a five-way tie at the top
+    logits[1, 10:] = NEG  # an already-masked row
+    return logits
+
+
+def ref_top_k(row: list[float], k: int) -> list[float]:
+    kth = sorted(row, reverse=True)[k - 1]
+    return [x if x >= kth else NEG for x in row]
+
+
+def softmax(row: list[float]) -> list[float]:
+    m = max(row)
+    e = [math.exp(x - m) if x != NEG else 0.0 for x in row]
+    s = sum(e)
+    return [x / s for x in e]
+
+
+def ref_top_p(row: list[float], p: float) -> list[float]:
+    # Keep the most likely tokens until their mass reaches p (the token crossing p included).
+    if p >= 1:
+        return list(row)
+    probs = softmax(row)
+    order = sorted(range(len(row)), key=lambda i: -probs[i])
+    keep, mass = set(), 0.0
+    for i in order:
+        keep.add(i)
+        mass += probs[i]
+        if mass >= p - 1e-6:
+            break
+    return [x if i in keep else NEG for i, x in enumerate(row)]
+
+
+def ref_min_p(row: list[float], min_p: float) -> list[float]:
+    probs = softmax(row)
+    top = max(probs)
+    return [x if probs[i] >= min_p * top else NEG for i, x in enumerate(row)]
+
+
+def ref_typical(row: list[float], mass: float) -> list[float]:
+    probs = softmax(row)
+    ent = -sum(p * math.log(p) for p in probs if p > 0)
+    dist = [abs(-math.log(p) - ent) if p > 0 else math.inf for p in probs]
+    order = sorted(range(len(row)), key=lambda i: dist[i])
+    keep, acc = set(), 0.0
+    for i in order:
+        keep.add(i)
+        acc += probs[i]
+        if acc >= mass:
+            break
+    return [x if i in keep else NEG for i, x in enumerate(row)]
+
+
+def check(vectorised: torch.Tensor, per_row: list[list[float]]) -> None:
+    expected = torch.tensor(per_row)
+    assert torch.equal(torch.isinf(vectorised), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    assert torch.allclose(vectorised[finite], expected[finite])
+
+
+def test_top_k_matches_per_row() -> None:
+    x = rows()
+    ks = [3, 1, 50, 7, 2, 20]
+    out = top_k_mask(x, torch.tensor(ks).view(-1, 1), max(ks))
+    check(out, [ref_top_k(r, k) for r, k in zip(x.tolist(), ks, strict=True)])
+    assert (torch.isfinite(out[0]).sum()) == 5  # ties with the k-th are kept
+
+
+def test_top_p_min_p_typical_match_per_row() -> None:
+    x = rows(seed=1)
+    ps = [0.9, 0.5, 1.0, 0.1, 0.75, 0.99]
+    check(
+        top_p_mask(x, torch.tensor(ps).view(-1, 1)),
+        [ref_top_p(r, p) for r, p in zip(x.tolist(), ps, strict=True)],
+    )
+    mins = [0.05, 0.5, 0.0, 0.9, 0.2, 1.0]
+    check(
+        min_p_mask(x, torch.tensor(mins).view(-1, 1)),
+        [ref_min_p(r, m) for r, m in zip(x.tolist(), mins, strict=True)],
+    )
+    masses = [0.9, 0.5, 0.2, 0.95, 0.6, 0.3]
+    check(
+        typical_mask(x, torch.tensor(masses).view(-1, 1)),
+        [ref_typical(r, m) for r, m in zip(x.tolist(), masses, strict=True)],
+    )
+
+
+def test_penalties_match_per_row() -> None:
+    x = rows(n=3, seed=2)
+    seen = torch.zeros(3, 50, dtype=torch.bool)
+    seen[0, [1, 2, 3]] = True
+    seen[2, 40] = True
+    rep = [1.5, 2.0, 0.5]
+    out = apply_repetition_penalty(x, seen, torch.tensor(rep).view(-1, 1))
+    for i, row in enumerate(x.tolist()):
+        for t, v in enumerate(row):
+            want = (v * rep[i] if v < 0 else v / rep[i]) if seen[i, t] else v
+            assert out[i, t].item() == pytest.approx(want)
+    counts = torch.zeros(3, 50, dtype=torch.int32)
+    counts[0, 4] = 3
+    counts[1, 5] = 1
+    freq, pres = [0.5, -1.0, 2.0], [0.25, 1.0, 0.0]
+    out = apply_additive_penalties(x, counts, torch.tensor(freq).view(-1, 1), torch.tensor(pres).view(-1, 1))
+    for i, row in enumerate(x.tolist()):
+        for t, v in enumerate(row):
+            c = int(counts[i, t])
+            assert out[i, t].item() == pytest.approx(v - c * freq[i] - (c > 0) * pres[i])
+
+
+def test_inverse_cdf_sampling_follows_the_distribution_and_skips_masked() -> None:
+    logits = torch.tensor([[0.0, math.log(3.0), NEG, 0.0]]).repeat(4000, 1)
+    u = torch.tensor([seeded_uniform(7, i) for i in range(4000)], dtype=torch.float64)
+    got = sample_from_logits(logits, u)
+    freq = torch.bincount(got, minlength=4).double() / 4000
+    assert freq[2] == 0
+    assert torch.allclose(freq, torch.tensor([0.2, 0.6, 0.0, 0.2], dtype=torch.float64), atol=0.03)
+    assert len({seeded_uniform(1, i) for i in range(1000)}) == 1000
+    assert seeded_uniform(1, 5) == seeded_uniform(1, 5) != seeded_uniform(2, 5)
+
+
+async def test_seeded_sampling_same_alone_and_batched(make_engine: EngineFactory, lively: Checkpoint) -> None:
+    params = dict(max_new_tokens=50, temperature=1.2, top_k=30, top_p=0.95, seed=1234, stop_on_eos=False)
+    engine = make_engine(max_seqs=8)
+    alone = token_ids(await collect(engine, "Hello there", **params))
+    again = token_ids(await collect(engine, "Hello there", **params))
+    assert alone == again
+    mates = [("abc", 30, 0.7, 1), ("x" * 40, 60, 1.5, 2), ("Z", 10, 0.0, 3), ("q r s", 45, 1.0, 4)]
+    others = [
+        collect(engine, p, max_new_tokens=n, temperature=t, seed=s, stop_on_eos=False) for p, n, t, s in mates
+    ]
+    results = await asyncio.gather(collect(engine, "Hello there", **params), *others)
+    assert token_ids(results[0]) == alone
+    assert len(set(alone)) > 5  # really sampled, not a constant
+    other = token_ids(await collect(engine, "Hello there", **{**params, "seed": 99}))
+    assert other != alone

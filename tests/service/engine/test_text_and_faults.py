@@ -1,0 +1,113 @@
+"""Streamed text (stop strings, UTF-8 with BPE), logprobs, and fault isolation."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from model.config import GPTConfig
+from model.gpt import GPT
+from model.reference import reference_generate
+from model.tokenizer import BPETokenizer
+from service.engine.detokenizer import IncrementalDecoder, StopMatcher
+from service.engine.types import FinishReason
+from tests.service.engine.conftest import EngineFactory, collect, token_ids
+
+MULTIBYTE = "héllo wörld, ça va? 日本語のテキスト 🎉🎉 naïve café — ünïcödé ∑∫ " * 4
+
+
+@pytest.fixture(scope="module")
+def bpe() -> BPETokenizer:
+    # A small vocabulary leaves most multi-byte characters split over several byte tokens.
+    return BPETokenizer.train(MULTIBYTE + "plain ascii text for merges " * 10, vocab_size=300)
+
+
+def test_bpe_incremental_decode_never_emits_half_a_character(bpe: BPETokenizer) -> None:
+    ids = bpe.encode(MULTIBYTE)
+    assert len(ids) > len(MULTIBYTE.encode()) / 4  # really split
+    assert any("\ufffd" in bpe.decode([i]) for i in ids)  # some tokens are partial characters
+    dec = IncrementalDecoder(bpe)
+    deltas = [dec.add(i) for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + dec.flush() == MULTIBYTE
+
+
+def test_stop_matcher_holds_back_prefixes() -> None:
+    m = StopMatcher(("END", "\n\n"))
+    assert m.feed("abc E") == ("abc ", False)
+    assert m.feed("N") == ("", False)
+    assert m.feed("x") == ("ENx", False)  # not a stop after all: released
+    assert m.feed("\n") == ("", False)
+    assert m.feed("\nrest") == ("", True)
+
+
+async def test_stop_string_spanning_tokens_is_never_streamed(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    free = await collect(engine, "Hello", max_new_tokens=60, temperature=0.0, stop_on_eos=False)
+    text = "".join(e.text for e in free)
+    stop = text[20:23]  # three characters = three tokens of the char model
+    cut = text.index(stop)
+    events = await collect(engine, "Hello", max_new_tokens=60, temperature=0.0, stop=(stop, "never!"))
+    assert events[-1].finish_reason is FinishReason.STOP_SEQUENCE
+    streamed = "".join(e.text for e in events)
+    assert streamed == text[:cut]
+    # Tokens after the stop's first character were produced but their text held back.
+    assert any(e.text == "" for e in events[:-1]) or len(events) == cut + 3
+
+
+async def test_bpe_engine_streams_whole_characters(
+    tmp_path: Path, bpe: BPETokenizer, make_engine: EngineFactory
+) -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=bpe.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=32))
+    ckpt = load_checkpoint(save_checkpoint(tmp_path / "bpe", model, bpe, name="bpe-test"))
+    engine = make_engine(ckpt)
+    events = await collect(engine, "日本", max_new_tokens=40, temperature=1.5, seed=5, stop_on_eos=False)
+    ids = token_ids(events)
+    assert "".join(e.text for e in events) == bpe.decode(ids)
+    partial = [e.text for e in events[:-1] if e.text.endswith("\ufffd")]
+    assert not partial
+
+
+async def test_logprobs_and_top_tokens(make_engine: EngineFactory, lively: Checkpoint) -> None:
+    engine = make_engine()
+    events = await collect(engine, "Hello", max_new_tokens=5, temperature=0.0, logprobs=True, top_n_tokens=3)
+    model = lively.build_model("cpu")
+    ids = lively.tokenizer.encode("Hello")
+    for e in events:
+        assert e.token_id is not None and e.logprob is not None and len(e.top_tokens) == 3
+        with torch.no_grad():
+            expected = model(torch.tensor([ids]))[0, -1].log_softmax(-1)
+        assert e.logprob == pytest.approx(expected[e.token_id].item(), abs=1e-4)
+        assert e.top_tokens[0].id == e.token_id  # greedy: the chosen token is the most likely
+        assert [t.logprob for t in e.top_tokens] == sorted((t.logprob for t in e.top_tokens), reverse=True)
+        assert e.top_tokens[0].text == lively.tokenizer.decode([e.token_id])
+        ids.append(e.token_id)
+    plain = await collect(engine, "Hello", max_new_tokens=2, temperature=0.0)
+    assert all(e.logprob is None and e.top_tokens == () for e in plain)
+
+
+@pytest.mark.parametrize("kind", ["nan", "raise"])
+async def test_failing_request_does_not_take_down_batch_mates(
+    make_engine: EngineFactory, lively: Checkpoint, kind: str
+) -> None:
+    engine = make_engine(fault_injection=f"{kind}:POISON", max_seqs=4)
+    prompts = ["Hello", "abc POISON", "xyz", "The end"]
+    results = await asyncio.gather(
+        *(collect(engine, p, max_new_tokens=30, temperature=0.0, stop_on_eos=False) for p in prompts)
+    )
+    model = lively.build_model("cpu")
+    for prompt, events in zip(prompts, results, strict=True):
+        if "POISON" in prompt:
+            assert events[-1].finish_reason is FinishReason.ERROR
+            assert events[-1].error and ("non-finite" in events[-1].error or "injected" in events[-1].error)
+        else:
+            expected = reference_generate(model, lively.tokenizer.encode(prompt), 30, policy="shift")
+            assert token_ids(events) == expected
+    assert engine.health()
+    again = await collect(engine, "fine", max_new_tokens=3, temperature=0.0)
+    assert again[-1].finish_reason is FinishReason.LENGTH
