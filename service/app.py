@@ -122,11 +122,15 @@ async def drain_engine(engine: Engine, timeout_s: float) -> None:
 
 
 def _include_routers(app: FastAPI) -> None:
+    from service.routes.chat_page import router as chat_page_router
     from service.routes.native import router as native_router
+    from service.routes.openai import router as openai_router
     from service.routes.system import router as system_router
 
     app.include_router(system_router)
     app.include_router(native_router)
+    app.include_router(openai_router)
+    app.include_router(chat_page_router)
 
 
 def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | None = None) -> FastAPI:

@@ -2,7 +2,7 @@
 
 With no keys configured every route is open. With keys, every route requires one except the
 probes (`/health`, `/ready`), `/metrics` unless `metrics_require_auth` is set, and the static chat
-page at `GET /` (it holds no data; the API calls it makes carry the key the user types in).
+page at `GET /` and its `/static/` files (no data; its API calls carry the key the user types in).
 The dependency is installed app-wide in `create_app`, so routers added later are covered too.
 Keys are never logged: settings hold them as `SecretStr` and failures do not echo the header.
 """
@@ -18,7 +18,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from service.errors import APIError
 from service.settings import Settings
 
-PUBLIC_ROUTES = frozenset({("GET", "/health"), ("GET", "/ready"), ("GET", "/")})
+PUBLIC_ROUTES = frozenset({("GET", "/health"), ("GET", "/ready"), ("GET", "/"), ("GET", "/static/{name}")})
 METRICS_ROUTE = ("GET", "/metrics")
 
 _bearer = HTTPBearer(auto_error=False, description="One of the server's API keys (if any are set).")

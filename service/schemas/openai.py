@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
 from pydantic_core import PydanticCustomError
 
 # Strict: no str -> number or bool -> number coercion; NaN/inf refused on every float.
@@ -256,6 +264,15 @@ class ChatCompletionRequest(GenerationRequest):
 FinishName = Literal["stop", "length"]
 
 
+class _Response(BaseModel):
+    """What every response object and streamed chunk starts with."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -276,14 +293,10 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishName | None = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_Response):
     """A completion (non-streaming), or one streamed chunk of it (`object` is the same)."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -315,12 +328,8 @@ class ChatChoice(BaseModel):
     finish_reason: FinishName
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
 
@@ -328,6 +337,11 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # OpenAI sends only what a delta changes: {"content": "x"}, and {} with the finish.
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
@@ -337,12 +351,8 @@ class ChatChunkChoice(BaseModel):
     finish_reason: FinishName | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 

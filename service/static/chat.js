@@ -148,10 +148,13 @@ async function send(event) {
   const stats = { start: performance.now(), first: null, last: null, ttft: null, tokens: 0, text: "", finish: null };
   controller = new AbortController();
   setBusy(true);
+  const signal = controller.signal;
   try {
-    await streamReply(reply, stats, controller.signal);
+    await streamReply(reply, stats, signal);
+    if (signal.aborted) stats.finish = "stopped";
+    else if (stats.finish === null) throw new Error("the stream ended before the reply was finished");
   } catch (err) {
-    if (err.name === "AbortError" || controller.signal.aborted) {
+    if (signal.aborted) {
       stats.finish = "stopped";
     } else {
       stats.finish = "error";
@@ -210,6 +213,7 @@ function init() {
   bindRange("temperature");
   bindRange("top-p");
   $("composer").addEventListener("submit", send);
+  $("settings").addEventListener("submit", (e) => e.preventDefault());
   $("prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) send(e);
     if (e.key === "Escape") controller?.abort();

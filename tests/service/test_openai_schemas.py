@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from service.schemas.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
-def refusal(model: type, body: dict) -> tuple[str, str]:
+def refusal(model: type[BaseModel], body: dict) -> tuple[str, str]:
     """(field path, message) of the first error pydantic raises for `body`."""
     with pytest.raises(ValidationError) as info:
         model.model_validate(body)

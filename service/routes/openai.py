@@ -1,0 +1,167 @@
+"""The OpenAI-compatible API: /v1/completions, /v1/chat/completions and /v1/models.
+
+Thin by design: validate the request (service/schemas/openai.py), turn it into `SamplingParams`,
+call `Engine.generate`, and translate its token events (service/routes/openai_format.py).
+Everything that can be refused is refused before the 200: schema errors (422 naming the field),
+server limits, an unknown model (404), a prompt the tokenizer cannot represent, a full queue (429).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from model.chat_template import ChatTemplateError, render_chat, template_stop_sequences
+from service.deps import EngineDep, SettingsDep
+from service.engine.types import SamplingParams
+from service.errors import APIError
+from service.generation import Generation, collect, start_generation
+from service.routes.openai_format import (
+    DONE,
+    ChatChunks,
+    CompletionChunks,
+    CompletionLogprobsBuilder,
+    Reply,
+    chat_logprob,
+    chat_response,
+    completion_response,
+)
+from service.schemas.openai import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    GenerationRequest,
+    ModelCard,
+    ModelList,
+    TokenLogprob,
+)
+from service.settings import Settings
+from service.sse import Render, event_stream
+
+router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
+
+# Streaming answers are SSE, not JSON: say so in the OpenAPI document.
+_SSE_DOC: dict[int | str, dict[str, Any]] = {
+    200: {
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        "description": "JSON, or with `stream: true` server-sent events: one chunk per text delta, "
+        "then `data: [DONE]`.",
+    }
+}
+
+
+def _served_model(engine: Any, requested: str | None) -> str:
+    served: str = engine.checkpoint.name
+    if requested is not None and requested != served:
+        raise APIError(404, f"model {requested!r} does not exist; this server serves {served!r}",
+                       code="model_not_found", param="model")
+    return served
+
+
+def _sampling_params(body: GenerationRequest, settings: Settings, *, max_tokens: int | None,
+                     extra_stop: list[str], logprobs: bool, top_n: int) -> SamplingParams:
+    """The engine's parameters for a validated request, after the server's limits."""
+    limit = max_tokens if max_tokens is not None else settings.default_max_new_tokens
+    param = "max_completion_tokens" if isinstance(body, ChatCompletionRequest) and \
+        body.max_completion_tokens is not None else "max_tokens"
+    if limit > settings.max_new_tokens:
+        raise APIError(422, f"{param}: {limit} is more than this server's limit of {settings.max_new_tokens}",
+                       code="max_tokens_too_large", param=param)
+    stop = body.stop_list()
+    if len(stop) > settings.max_stop_sequences:
+        raise APIError(422, f"stop: {len(stop)} stop sequences, more than this server's limit of "
+                       f"{settings.max_stop_sequences}", code="too_many_stop_sequences", param="stop")
+    if top_n > settings.max_top_n_tokens:
+        name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+        raise APIError(422, f"{name}: {top_n} is more than this server's limit of "
+                       f"{settings.max_top_n_tokens}", code="too_many_logprobs", param=name)
+    return SamplingParams(
+        max_new_tokens=limit,
+        temperature=body.temperature,
+        top_k=body.top_k,
+        top_p=body.top_p if body.top_p < 1.0 else None,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        stop=tuple(stop + [s for s in extra_stop if s not in stop]),
+        seed=body.seed,
+        logprobs=logprobs,
+        top_n_tokens=top_n,
+    )
+
+
+def _sse(gen: Generation, render: Render, settings: Settings) -> Response:
+    return event_stream(gen.events, render, keepalive_s=settings.keepalive_interval, on_close=gen.aclose,
+                        trailer=[DONE])
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(engine: EngineDep) -> ModelList:
+    """The served model (OpenAI's model list; one entry)."""
+    return ModelList(data=[_model_card(engine)])
+
+
+@router.get("/models/{model_id}", response_model=ModelCard)
+async def get_model(model_id: str, engine: EngineDep) -> ModelCard:
+    """One model by id (404 unless it is the served one)."""
+    _served_model(engine, model_id)
+    return _model_card(engine)
+
+
+def _model_card(engine: Any) -> ModelCard:
+    # Checkpoints record no creation time unless their provenance says; then "now", as vLLM does.
+    created = int(engine.checkpoint.provenance.get("created_unix") or time.time())
+    return ModelCard(id=engine.checkpoint.name, created=created, max_model_len=engine.window)
+
+
+@router.post("/completions", response_model=CompletionResponse, responses=_SSE_DOC)
+async def completions(body: CompletionRequest, request: Request, engine: EngineDep,
+                      settings: SettingsDep) -> Response | CompletionResponse:
+    """Text completion of one prompt (OpenAI's legacy completions API)."""
+    model = _served_model(engine, body.model)
+    top_n = body.logprobs or 0
+    params = _sampling_params(body, settings, max_tokens=body.max_tokens, extra_stop=[],
+                              logprobs=body.logprobs is not None, top_n=top_n)
+    gen = await start_generation(request, engine, body.prompt_input(), params, param="prompt")
+    reply = Reply.new("cmpl", model, engine.tokenizer)
+    if body.stream:
+        render = CompletionChunks(reply, body.logprobs, body.include_usage())
+        return _sse(gen, render, settings)
+    done = await collect(request, gen)
+    logprobs = None
+    if body.logprobs is not None:
+        builder = CompletionLogprobsBuilder(reply, top_n)
+        for event in done.tokens:
+            builder.add(event)
+        logprobs = builder.take()
+    return completion_response(reply, done.text, done.final, logprobs)
+
+
+@router.post("/chat/completions", response_model=ChatCompletionResponse, responses=_SSE_DOC)
+async def chat_completions(body: ChatCompletionRequest, request: Request, engine: EngineDep,
+                           settings: SettingsDep) -> Response | ChatCompletionResponse:
+    """The assistant's next message, with the checkpoint's chat template applied."""
+    model = _served_model(engine, body.model)
+    template = engine.checkpoint.chat_template
+    try:
+        prompt = render_chat(template, [m.for_template() for m in body.messages])
+    except ChatTemplateError as e:
+        raise APIError(422, str(e), code="invalid_message", param="messages") from None
+    top_n = body.top_logprobs or 0
+    params = _sampling_params(body, settings, max_tokens=body.token_limit(), logprobs=body.logprobs,
+                              top_n=top_n, extra_stop=template_stop_sequences(template))
+    gen = await start_generation(request, engine, prompt, params, param="messages")
+    reply = Reply.new("chatcmpl", model, engine.tokenizer)
+    if body.stream:
+        render = ChatChunks(reply, body.logprobs, body.include_usage())
+        return _sse(gen, render, settings)
+    done = await collect(request, gen)
+    logprobs: list[TokenLogprob] | None = None
+    if body.logprobs:
+        logprobs = [entry for e in done.tokens if (entry := chat_logprob(reply, e)) is not None]
+    return chat_response(reply, done.text, done.final, logprobs)

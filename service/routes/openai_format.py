@@ -1,0 +1,206 @@
+"""Token events -> OpenAI response objects: whole completions, streamed chunks, logprobs, usage.
+
+Pure translation, no I/O: the routes in service/routes/openai.py feed it the engine's
+`TokenEvent`s and send what it returns. Held-back deltas (`text == ""` while a possible stop
+string or a partial character waits) produce no chunk unless the client asked for logprobs, so
+every token's logprob is still reported exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from model.tokenizer import Tokenizer
+from service.engine.types import FinishReason, TokenEvent
+from service.schemas.openai import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    FinishName,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from service.sse import sse_event
+
+DONE = b"data: [DONE]\n\n"
+
+
+def finish_reason(reason: FinishReason) -> FinishName:
+    """OpenAI's vocabulary: the token budget ran out ("length") or the model/stop string ended it."""
+    return "length" if reason is FinishReason.LENGTH else "stop"
+
+
+def usage_of(event: TokenEvent) -> Usage:
+    assert event.usage is not None, "the last event of a generation carries usage"
+    u = event.usage
+    return Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.generated_tokens,
+                 total_tokens=u.prompt_tokens + u.generated_tokens)
+
+
+@dataclass
+class Reply:
+    """Identity shared by every object of one response."""
+
+    model: str
+    tokenizer: Tokenizer
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def new(cls, prefix: str, model: str, tokenizer: Tokenizer) -> Reply:
+        return cls(model=model, tokenizer=tokenizer, id=f"{prefix}-{uuid.uuid4().hex}")
+
+    def piece(self, token_id: int | None) -> str:
+        return "" if token_id is None else self.tokenizer.id_to_piece(token_id)
+
+
+# ------------------------------------------------------------------ logprobs
+
+
+def chat_logprob(reply: Reply, event: TokenEvent) -> TokenLogprob | None:
+    if event.token_id is None or event.logprob is None:
+        return None
+    token = reply.piece(event.token_id)
+    tops = [TopLogprob(token=t.text, logprob=t.logprob, bytes=list(t.text.encode()))
+            for t in event.top_tokens]
+    return TokenLogprob(token=token, logprob=event.logprob, bytes=list(token.encode()), top_logprobs=tops)
+
+
+class CompletionLogprobsBuilder:
+    """Accumulates the legacy completions `logprobs` object (parallel lists)."""
+
+    def __init__(self, reply: Reply, top_n: int) -> None:
+        self.reply = reply
+        self.top_n = top_n
+        self.value = CompletionLogprobs(tokens=[], token_logprobs=[],
+                                        top_logprobs=[] if top_n else None, text_offset=[])
+        self.offset = 0
+
+    def add(self, event: TokenEvent) -> None:
+        if event.token_id is None:
+            return
+        token = self.reply.piece(event.token_id)
+        v = self.value
+        v.tokens.append(token)
+        v.token_logprobs.append(event.logprob)
+        if v.top_logprobs is not None:
+            v.top_logprobs.append({t.text: t.logprob for t in event.top_tokens[: self.top_n]})
+        v.text_offset.append(self.offset)
+        self.offset += len(token)
+
+    def take(self) -> CompletionLogprobs:
+        """What accumulated since the last call (the whole object for a non-streamed reply)."""
+        out = self.value
+        self.value = CompletionLogprobs(tokens=[], token_logprobs=[],
+                                        top_logprobs=[] if self.top_n else None, text_offset=[])
+        return out
+
+
+# ------------------------------------------------------------------ whole responses
+
+
+def completion_response(reply: Reply, text: str, last: TokenEvent,
+                        logprobs: CompletionLogprobs | None) -> CompletionResponse:
+    assert last.finish_reason is not None
+    choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason(last.finish_reason))
+    return CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=[choice],
+                              usage=usage_of(last))
+
+
+def chat_response(reply: Reply, text: str, last: TokenEvent,
+                  logprobs: list[TokenLogprob] | None) -> ChatCompletionResponse:
+    assert last.finish_reason is not None
+    choice = ChatChoice(message=AssistantMessage(content=text),
+                        logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
+                        finish_reason=finish_reason(last.finish_reason))
+    return ChatCompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=[choice],
+                                  usage=usage_of(last))
+
+
+# ------------------------------------------------------------------ streamed chunks
+
+
+class _Chunks:
+    """One stream's renderer (a `service.sse.Render`): content chunks, the finish, optional usage."""
+
+    def __init__(self, reply: Reply, include_usage: bool) -> None:
+        self.reply = reply
+        self.include_usage = include_usage
+
+    def _envelope(self, choices: list[Any], usage: Usage | None = None) -> bytes:
+        raise NotImplementedError
+
+    def _finish_choice(self, reason: FinishName) -> Any:
+        raise NotImplementedError
+
+    def _content(self, event: TokenEvent) -> Iterator[bytes]:
+        raise NotImplementedError
+
+    def __call__(self, event: TokenEvent) -> Iterator[bytes]:
+        yield from self._content(event)
+        if event.finish_reason is not None:
+            yield self._envelope([self._finish_choice(finish_reason(event.finish_reason))])
+            if self.include_usage:  # OpenAI: a last chunk with no choices and the usage
+                yield self._envelope([], usage_of(event))
+
+
+class CompletionChunks(_Chunks):
+    """/v1/completions: a chunk per text delta (and per token when logprobs are asked for)."""
+
+    def __init__(self, reply: Reply, top_n: int | None, include_usage: bool) -> None:
+        super().__init__(reply, include_usage)
+        self.logprobs = CompletionLogprobsBuilder(reply, top_n) if top_n is not None else None
+
+    def _envelope(self, choices: list[Any], usage: Usage | None = None) -> bytes:
+        r = self.reply
+        return sse_event(CompletionResponse(id=r.id, created=r.created, model=r.model, choices=choices,
+                                            usage=usage))
+
+    def _finish_choice(self, reason: FinishName) -> CompletionChoice:
+        return CompletionChoice(text="", finish_reason=reason)
+
+    def _content(self, event: TokenEvent) -> Iterator[bytes]:
+        logprobs = None
+        if self.logprobs is not None and event.token_id is not None:
+            self.logprobs.add(event)
+            logprobs = self.logprobs.take()
+        if event.text or logprobs is not None:
+            yield self._envelope([CompletionChoice(text=event.text, logprobs=logprobs)])
+
+
+class ChatChunks(_Chunks):
+    """/v1/chat/completions: the assistant role first, then a chunk per content delta."""
+
+    def __init__(self, reply: Reply, logprobs: bool, include_usage: bool) -> None:
+        super().__init__(reply, include_usage)
+        self.logprobs = logprobs
+        self.started = False
+
+    def _envelope(self, choices: list[Any], usage: Usage | None = None) -> bytes:
+        r = self.reply
+        return sse_event(ChatCompletionChunk(id=r.id, created=r.created, model=r.model, choices=choices,
+                                             usage=usage))
+
+    def _finish_choice(self, reason: FinishName) -> ChatChunkChoice:
+        return ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)
+
+    def _content(self, event: TokenEvent) -> Iterator[bytes]:
+        if not self.started:  # OpenAI opens every stream with the assistant role and empty content
+            self.started = True
+            yield self._envelope([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+        entry = chat_logprob(self.reply, event) if self.logprobs else None
+        if event.text or entry is not None:
+            logprobs = ChatLogprobs(content=[entry]) if entry is not None else None
+            yield self._envelope([ChatChunkChoice(delta=ChatDelta(content=event.text), logprobs=logprobs)])

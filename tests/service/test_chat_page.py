@@ -1,0 +1,165 @@
+"""The chat page at GET /, in a real headless Chromium (Debian's package) driven by Playwright.
+
+The server runs with an API key, as a careful operator would deploy it: the page itself must load
+without one, and the key typed into the page must carry its API calls.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from service.routes.chat_page import STATIC_DIR
+from tests.conftest import require_module, require_tool
+from tests.service.server import ServerProcess, running_server
+
+API_KEY = "chat-page-test-key"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+XSS = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint: Path) -> Iterator[ServerProcess]:
+    env = {"NANOSERVE_API_KEYS": API_KEY, "NANOSERVE_MAX_SEQS": "2"}
+    with running_server(tiny_checkpoint, env=env) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    chromium = require_tool("chromium", "the chat page is tested in a real browser")
+    require_module("playwright")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        # Debian's Chromium: `playwright install` cannot download browsers here (nor in CI).
+        b = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+def wait_until(check: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    """Poll `check` from Python (the page's CSP forbids Playwright's in-page eval-based waits)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_page_is_public_self_contained_and_locked_down(server: ServerProcess) -> None:
+    page = httpx.get(server.base_url + "/", timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "default-src 'none'" in csp
+    assert "http://" not in page.text and "https://" not in page.text  # no CDN, works offline
+    for name in ("chat.js", "chat.css"):
+        asset = httpx.get(f"{server.base_url}/static/{name}", timeout=10)
+        assert asset.status_code == 200, name
+        assert asset.headers["x-content-type-options"] == "nosniff"
+    assert httpx.get(server.base_url + "/static/chat.html.bak", timeout=10).status_code == 404
+    # The API itself still wants the key.
+    assert httpx.get(server.base_url + "/v1/models", timeout=10).status_code == 401
+    # Model output and user text only ever enter the page as text.
+    script = (STATIC_DIR / "chat.js").read_text(encoding="utf-8")
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval("):
+        assert sink not in script, sink
+
+
+def metrics(server: ServerProcess) -> str:
+    return httpx.get(server.base_url + "/metrics", timeout=5).text
+
+
+def assistant_text(page: Any) -> str:
+    return str(page.locator(".msg.assistant .body").last.inner_text())
+
+
+def test_type_send_stream_and_stop(browser: Any, server: ServerProcess) -> None:
+    page = browser.new_page(viewport={"width": 1100, "height": 700})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server.base_url + "/")
+    wait_until(lambda: "API key required" in page.inner_text("#model"), what="the page to ask for a key")
+    page.fill("#api-key", API_KEY)
+    page.press("#api-key", "Tab")  # "change" stores the key and reloads the model list
+    wait_until(lambda: "tiny-test" in page.inner_text("#model"), what="the model name")
+
+    # A short reply runs to its token limit.
+    page.fill("#max-tokens", "5")
+    page.fill("#prompt", "Good morrow")
+    page.press("#prompt", "Enter")
+    last_meta = page.locator(".msg.assistant .meta").last
+    meta = wait_until(lambda: "finish: length" in (m := last_meta.inner_text()) and m,
+                      what="the first reply to finish")
+    assert "5 tokens" in meta and "tok/s" in meta
+    assert page.locator(".msg.user .body").first.inner_text() == "Good morrow"
+    assert len(assistant_text(page)) > 0
+
+    # A long reply streams in and the Stop button ends it.
+    page.fill("#max-tokens", "4000")
+    page.fill("#prompt", "Tell me everything")
+    page.click("#send")
+    first = wait_until(lambda: len(assistant_text(page)) >= 3 and assistant_text(page), what="tokens")
+    wait_until(lambda: len(assistant_text(page)) > len(first), what="more tokens")  # streamed, not at once
+    assert page.locator(".msg.assistant.streaming").count() == 1 and not page.is_disabled("#stop")
+    page.click("#stop")
+    page.wait_for_selector("body[data-busy=false]", timeout=10_000)
+    assert "finish: stopped" in page.locator(".msg.assistant .meta").last.inner_text()
+    stopped = assistant_text(page)
+    time.sleep(0.5)
+    assert assistant_text(page) == stopped and page.is_disabled("#stop")
+    assert "finish: stopped" in page.inner_text("#status")
+    # The server cancelled the generation rather than running it to 4000 tokens, and freed its slot.
+    cancelled = 'nanoserve_requests_cancelled_total{route="/v1/chat/completions"} 1.0'
+    wait_until(lambda: all(s in metrics(server) for s in (cancelled, "nanoserve_running_sequences 0.0")),
+               what="the server to cancel the stopped generation")
+    page.screenshot(path="/tmp/nanoserve-chat-page.png")
+    assert errors == []
+    page.close()
+
+
+def sse_body(pieces: list[str]) -> str:
+    def chunk(delta: dict[str, str], finish: str | None = None) -> str:
+        data = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        return "data: " + json.dumps(data) + "\n\n"
+
+    events = [chunk({"role": "assistant", "content": ""})] + [chunk({"content": p}) for p in pieces]
+    return "".join(events) + chunk({}, "stop") + "data: [DONE]\n\n"
+
+
+def test_model_output_is_rendered_as_text_never_html(browser: Any, server: ServerProcess) -> None:
+    # CSP bypassed on purpose: the page must be safe by construction, not only thanks to the CSP.
+    context = browser.new_context(bypass_csp=True)
+    page = context.new_page()
+    dialogs: list[str] = []
+
+    def on_dialog(dialog: Any) -> None:
+        dialogs.append(dialog.message)
+        dialog.dismiss()
+
+    page.on("dialog", on_dialog)
+    # The model's reply, as the network delivers it, is hostile markup split across chunks.
+    pieces = ["Here: <scr", "ipt>window.__pwned = 1</script>", '<img src=x onerror="alert(2)">', " end"]
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"}, body=sse_body(pieces)))
+    page.goto(server.base_url + "/")
+    page.fill("#prompt", XSS)
+    page.press("#prompt", "Enter")
+    page.wait_for_selector(".msg.assistant .meta:has-text('finish: stop')", timeout=10_000)
+    assert assistant_text(page) == "".join(pieces)
+    assert page.locator(".msg.user .body").last.inner_text() == XSS
+    assert page.locator("#transcript script, #transcript img").count() == 0
+    time.sleep(0.3)  # an injected onerror would have fired by now
+    assert page.evaluate("() => window.__pwned") is None
+    assert dialogs == []
+    context.close()

@@ -1,0 +1,224 @@
+"""The official `openai` client against a real `nanoserve serve` on 127.0.0.1 (tiny random model).
+
+Greedy outputs are checked token for token against the slow reference generator, so these tests
+prove the API returns the model's real continuation (with the chat template and its stop string
+applied), not just something shaped like a completion.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from model.chat_template import render_chat
+from model.checkpoint import Checkpoint, load_checkpoint
+from model.gpt import GPT
+from model.reference import reference_generate
+from tests.service.server import ServerProcess, running_server
+
+MAX_NEW_TOKENS = 256  # the server's cap, set below; the tests probe it
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint: Path) -> Iterator[ServerProcess]:
+    env = {"NANOSERVE_MAX_NEW_TOKENS": str(MAX_NEW_TOKENS), "NANOSERVE_DEFAULT_MAX_NEW_TOKENS": "16",
+           "NANOSERVE_MAX_SEQS": "4", "NANOSERVE_MAX_STOP_SEQUENCES": "4", "NANOSERVE_DRAIN_TIMEOUT": "2"}
+    with running_server(tiny_checkpoint, env=env) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint: Path) -> Iterator[tuple[Checkpoint, GPT]]:
+    """The checkpoint and its model for the reference generator, in this (test) process."""
+    # One thread: the test process shares 2 cores with the server, where a 2-thread pool of a tiny
+    # model spins against the other processes and runs ~100x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    checkpoint = load_checkpoint(tiny_checkpoint)
+    yield checkpoint, checkpoint.build_model("cpu")
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(reference: tuple[Checkpoint, GPT]) -> Checkpoint:
+    return reference[0]
+
+
+@pytest.fixture(scope="module")
+def greedy(reference: tuple[Checkpoint, GPT]) -> Callable[[str, int], str]:
+    """The reference continuation of a prompt: n greedy tokens, decoded."""
+    checkpoint, model = reference
+
+    def continuation(prompt: str, n: int) -> str:
+        ids = checkpoint.tokenizer.encode(prompt)
+        return checkpoint.tokenizer.decode(reference_generate(model, ids, n))
+
+    return continuation
+
+
+def test_models(client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny-test"]
+    assert client.models.retrieve("tiny-test").id == "tiny-test"
+    with pytest.raises(openai.NotFoundError, match="gpt-4"):
+        client.models.retrieve("gpt-4")
+
+
+def test_completion_is_the_models_greedy_continuation(
+    client: openai.OpenAI, checkpoint: Checkpoint, greedy: Callable[[str, int], str]
+) -> None:
+    prompt = "ROMEO: But soft"
+    out = client.completions.create(model="tiny-test", prompt=prompt, max_tokens=12, temperature=0)
+    assert out.object == "text_completion" and out.model == "tiny-test" and out.id.startswith("cmpl-")
+    assert out.choices[0].text == greedy(prompt, 12)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage is not None
+    n_prompt = len(checkpoint.tokenizer.encode(prompt))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (
+        n_prompt, 12, n_prompt + 12)
+
+
+def test_completion_stream_matches_whole_and_reports_usage(client: openai.OpenAI) -> None:
+    args: dict[str, Any] = {"model": "tiny-test", "prompt": "To be", "max_tokens": 20, "temperature": 1.0,
+                            "seed": 1234}
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text  # same seed, same tokens, streamed or not
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert not chunks[-1].choices and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 20 == whole.usage.completion_tokens  # type: ignore[union-attr]
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_stop_string_is_honoured(client: openai.OpenAI, greedy: Callable[[str, int], str]) -> None:
+    reference = greedy("Hark", 24)
+    stop = reference[6:8]
+    out = client.completions.create(model="tiny-test", prompt="Hark", max_tokens=24, temperature=0,
+                                    stop=[stop])
+    assert out.choices[0].text == reference[: reference.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_chat_applies_the_template_and_its_stop(
+    client: openai.OpenAI, checkpoint: Checkpoint, greedy: Callable[[str, int], str]
+) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who goes there?"}]
+    prompt = render_chat(checkpoint.chat_template, messages)
+    reference = greedy(prompt, 30)
+    turn_end = "\n\n"  # the tiny checkpoint's template stop (model/checkpoint.py's default template)
+    assert checkpoint.chat_template["stop"] == [turn_end]
+    expected = reference.split(turn_end)[0]
+
+    out = client.chat.completions.create(model="tiny-test", messages=messages, max_tokens=30,  # type: ignore[arg-type]
+                                         temperature=0)
+    assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected
+    assert out.choices[0].finish_reason == ("stop" if turn_end in reference else "length")
+    assert out.usage is not None and out.usage.prompt_tokens == len(checkpoint.tokenizer.encode(prompt))
+
+
+def test_chat_stream_shape(client: openai.OpenAI) -> None:
+    args: dict[str, Any] = {"model": "tiny-test", "messages": [{"role": "user", "content": "Speak"}],
+                            "max_tokens": 15, "temperature": 0.9, "seed": 7, "stop": "\n"}
+    whole = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert "\n" not in text
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+    assert whole.usage is not None and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(model="tiny-test", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+                                          stop=["zzzz"])
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == chat.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        # Greedy: the chosen token is the most likely one.
+        assert entry.logprob >= max(t.logprob for t in entry.top_logprobs) - 1e-4
+    legacy = client.completions.create(model="tiny-test", prompt="Hi", max_tokens=5, temperature=0,
+                                       logprobs=1)
+    lp = legacy.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert "".join(lp.tokens) == legacy.choices[0].text and len(lp.token_logprobs) == 5
+
+
+@pytest.mark.parametrize(("kwargs", "field", "says"), [
+    ({"n": 2}, "n", "only one choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools", "tool"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "JSON mode"),
+    ({"extra_body": {"frobnicate": 1}}, "frobnicate", "Extra inputs"),
+    ({"extra_body": {"temperature": True}}, "temperature", "valid number"),
+    ({"max_tokens": MAX_NEW_TOKENS + 1}, "max_tokens", f"limit of {MAX_NEW_TOKENS}"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "limit of 4"),
+    ({"messages": [{"role": "user", "content": "caf\u00e9"}]}, "messages", "\u00e9"),
+])
+def test_chat_refusals_surface_in_the_sdk(client: openai.OpenAI, kwargs: dict, field: str, says: str) -> None:
+    args: dict[str, Any] = {"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": 4, **kwargs}
+    for stream in (False, True):  # a streamed request is refused before its stream starts
+        with pytest.raises(openai.UnprocessableEntityError) as info:
+            client.chat.completions.create(**args, stream=stream)
+        body = info.value.body
+        assert isinstance(body, dict) and body["param"].startswith(field), body
+        assert says in body["message"], body
+
+
+def test_unknown_model_and_batch_prompt(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    with pytest.raises(openai.UnprocessableEntityError, match="one prompt per request"):
+        client.completions.create(model="tiny-test", prompt=["a", "b"], max_tokens=1)
+
+
+def test_sse_wire_format(server: ServerProcess) -> None:
+    body = {"messages": [{"role": "user", "content": "Go"}], "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["cache-control"] == "no-cache"
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert '"usage":null' in lines[-2]  # no usage chunk unless stream_options asks for it
+
+
+def test_closing_a_stream_frees_its_slot(client: openai.OpenAI, server: ServerProcess) -> None:
+    stream = client.completions.create(model="tiny-test", prompt="Long", max_tokens=MAX_NEW_TOKENS,
+                                       temperature=1.0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    # The engine cancels it (rather than generating all its tokens) and frees the slot.
+    cancelled = 'nanoserve_requests_cancelled_total{route="/v1/completions"} 1.0'
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        metrics = httpx.get(server.base_url + "/metrics", timeout=5).text
+        if cancelled in metrics and "nanoserve_running_sequences 0.0" in metrics:
+            break
+        time.sleep(0.1)
+    assert cancelled in metrics and "nanoserve_running_sequences 0.0" in metrics
