@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from model.checkpoint import load_checkpoint, save_checkpoint
+from model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.reference import reference_generate
@@ -123,7 +123,10 @@ def full_split_loss(model: GPT, data: torch.Tensor, block: int, device: str) -> 
 
 def _build(cfg: TrainConfig, text: str) -> tuple[GPT, Tokenizer, dict[str, Any]]:
     if cfg.resume:
-        ckpt = load_checkpoint(cfg.out_dir)
+        try:
+            ckpt = load_checkpoint(cfg.out_dir)
+        except CheckpointError as e:
+            raise TrainInputError(f"--resume: {e}") from None
         model = ckpt.build_model(cfg.device, torch.float32).train()
         return model, ckpt.tokenizer, ckpt.provenance
     try:
@@ -236,9 +239,31 @@ def _train(cfg: TrainConfig, rank: _Dist) -> dict[str, Any]:
                 break
     if bar is not None:
         bar.close()
+    replica_diff = _replica_divergence(model, rank)
     if not rank.main:
         return {}
-    return _finish(cfg, tokenizer, splits.val, block, elapsed_before + time.time() - t0, history)
+    return _finish(cfg, tokenizer, splits.val, block, elapsed_before + time.time() - t0, history,
+                   replica_diff)
+
+
+def _replica_divergence(model: GPT, rank: _Dist) -> float | None:
+    """Largest difference between any two ranks' copies of any weight (None when single-process).
+
+    DDP keeps replicas identical by construction; checking once costs two all-reduces and turns
+    a silent divergence (a parameter DDP does not see, a rank-dependent update) into an error
+    instead of a checkpoint that is only one of several different models.
+    """
+    if rank.world == 1:
+        return None
+    with torch.no_grad():
+        flat = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+        hi, lo = flat.clone(), flat.clone()
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        diff = float((hi - lo).max())
+    if not diff <= 1e-5:
+        raise RuntimeError(f"data-parallel replicas diverged: weights differ by up to {diff:g}")
+    return diff
 
 
 def _provenance(
@@ -286,12 +311,14 @@ def _save(
 
 def _finish(
     cfg: TrainConfig, tokenizer: Tokenizer, val: torch.Tensor, block: int, wall: float,
-    history: list[dict[str, float]],
+    history: list[dict[str, float]], replica_diff: float | None = None,
 ) -> dict[str, Any]:
     """Reload the best checkpoint, measure it on the whole val split, write card, sample, plot."""
     ckpt = load_checkpoint(cfg.out_dir)
     best = ckpt.build_model(cfg.device, torch.float32)
     prov = dict(ckpt.provenance)
+    if replica_diff is not None:
+        prov["replica_max_abs_diff"] = replica_diff  # 0.0: every rank ended with the same weights
     prov["val_loss_full"] = full_split_loss(best, val, block, cfg.device)
     prov["total_wall_time_s"] = round(wall, 1)
     prompt = tokenizer.encode("\n") if tokenizer.kind == "char" else [tokenizer.eos_id or 0]
