@@ -87,7 +87,6 @@ def run_serve(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
     except ValidationError as e:
         return _fail(_describe(e))
-    configure_logging(settings.log_level, settings.log_format)
     try:
         engine_config(settings)  # device/dtype combinations, fault spec: fail before loading anything
         checkpoint = load_checkpoint(settings.checkpoint)
@@ -95,6 +94,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return _fail(f"cannot load checkpoint: {e}")
     except ValueError as e:
         return _fail(str(e))
+    configure_logging(settings.log_level, settings.log_format)
     app = create_app(settings, checkpoint=checkpoint)
     config = uvicorn.Config(
         app,

@@ -112,6 +112,10 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         if self.default_max_new_tokens > self.max_new_tokens:
+            if "default_max_new_tokens" not in self.model_fields_set:
+                # Lowering the cap lowers the default with it; only an explicit clash is an error.
+                self.default_max_new_tokens = self.max_new_tokens
+                return self
             raise ValueError(
                 f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds "
                 f"max_new_tokens ({self.max_new_tokens})"

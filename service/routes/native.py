@@ -98,7 +98,7 @@ async def _generate_json(request: Request, engine: EngineDep, body: GenerateRequ
         generated_tokens=usage.generated_tokens,
         prompt_tokens=usage.prompt_tokens,
         cropped_tokens=usage.cropped_tokens,
-        seed=usage.seed,
+        seed=usage.seed if body.parameters.sampling() else None,  # TGI: no seed for greedy
         tokens=[_token(e) for e in done.tokens],
         top_tokens=[_top(e.top_tokens, eos) for e in done.tokens] if with_top else None,
     )
@@ -127,7 +127,8 @@ async def _generate_sse(request: Request, engine: EngineDep, body: GenerateReque
             out.details = StreamDetails(
                 finish_reason=event.finish_reason.value,  # type: ignore[arg-type]
                 generated_tokens=u.generated_tokens, prompt_tokens=u.prompt_tokens,
-                cropped_tokens=u.cropped_tokens, input_length=u.prompt_tokens, seed=u.seed,
+                cropped_tokens=u.cropped_tokens, input_length=u.prompt_tokens,
+                seed=u.seed if body.parameters.sampling() else None,
             )
         yield sse_event(out)
 

@@ -1,0 +1,162 @@
+"""Start-up and shutdown of `nanoserve serve`: readiness, SIGTERM drain, refusing bad start-ups."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.cli import build_parser
+from service.serve_cli import settings_from_args
+from tests.service.asgi import AppClient
+from tests.service.server import free_port, running_server, serve_command
+
+
+def test_drain_on_sigterm_finishes_in_flight_then_exits_zero(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    env = {"NANOSERVE_DRAIN_TIMEOUT": "60"}
+    with running_server(tiny_checkpoint, env=env) as server:
+        url = server.base_url
+        result: dict[str, object] = {}
+        first_token = threading.Event()
+
+        def stream() -> None:
+            events = []
+            with httpx.stream("POST", url + "/generate_stream", timeout=60,
+                              json={"inputs": "Hello", "parameters": {"max_new_tokens": 40}}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(json.loads(line[6:]))
+                        first_token.set()
+                    elif line.startswith("event:"):
+                        result["error_event"] = line
+            result["events"] = events
+
+        worker = threading.Thread(target=stream)
+        worker.start()
+        assert first_token.wait(30), server.logs()
+        server.process.send_signal(signal.SIGTERM)
+        ready = httpx.get(url + "/ready", timeout=10)
+        refused = httpx.post(url + "/generate", json={"inputs": "Hi"}, timeout=10)
+        health = httpx.get(url + "/health", timeout=10)
+        worker.join(60)
+        status = server.wait(60)
+        logs = server.logs()
+    assert ready.status_code == 503 and ready.json()["error"]["code"] == "draining"
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert health.status_code == 200  # alive while draining: not a reason to restart the process
+    events = result["events"]
+    assert isinstance(events, list) and "error_event" not in result
+    assert len(events) == 40 and events[-1]["details"]["finish_reason"] == "length"  # not cut short
+    assert status == 0, logs
+    assert "received SIGTERM: draining" in logs and "drained" in logs
+
+
+def _port_is_closed(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _serve_fails(checkpoint: Path | str) -> str:
+    port = free_port()
+    proc = subprocess.Popen(serve_command(checkpoint, port), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        # Poll while it starts: the port must never open, and the process must end by itself.
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            assert _port_is_closed(port), "the port opened for a start-up that should fail"
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode not in (0, None)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("nanoserve serve: error: "), err
+    assert "Traceback" not in out + err
+    return lines[0]
+
+
+def test_corrupt_checkpoint_exits_with_one_line_before_the_port_opens(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(tiny_checkpoint, corrupt)
+    weights = corrupt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    line = _serve_fails(corrupt)
+    assert str(weights) in line and "safetensors" in line
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        (["--checkpoint", "{tmp}/nope"], {}, ["{tmp}/nope", "not found"]),
+        (["--max-seqs", "0"], {"NANOSERVE_API_KEYS": "short"}, ["max_seqs", "api_keys"]),
+        (["--dtype", "float16", "--device", "cpu"], {}, ["float16", "GPU"]),
+        (["--log-format", "xml"], {}, ["log_format", "xml"]),
+    ],
+)
+def test_bad_settings_exit_with_one_line(  # type: ignore[no-untyped-def]
+    tiny_checkpoint, tmp_path, capsys, monkeypatch, argv, env, expected
+) -> None:
+    from service.cli import main
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    status = main(["serve", "--checkpoint", str(tiny_checkpoint), "--port", str(free_port()), *argv])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert status == 2 and len(lines) == 1 and lines[0].startswith("nanoserve serve: error: "), err
+    for text in expected:
+        assert text.replace("{tmp}", str(tmp_path)) in lines[0]
+    assert "short" not in err  # an API key is never echoed, even a rejected one
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("NANOSERVE_PORT", "9000")
+    monkeypatch.setenv("NANOSERVE_MAX_SEQS", "3")
+    monkeypatch.setenv("NANOSERVE_API_KEYS", "key-one-123, key-two-456")
+    monkeypatch.setenv("NANOSERVE_REJECT_LONG_PROMPTS", "true")
+    args = _parse("--port", "8123", "--checkpoint", str(tmp_path), "--no-reject-long-prompts")
+    s = settings_from_args(args)
+    assert s.port == 8123 and s.max_seqs == 3 and s.reject_long_prompts is False
+    assert s.checkpoint == tmp_path.resolve()
+    assert s.api_key_values() == [b"key-one-123", b"key-two-456"]
+    assert "key-one" not in repr(s)
+
+
+def test_default_checkpoint_is_found_from_any_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    s = settings_from_args(_parse())
+    assert s.checkpoint == Path(__file__).resolve().parents[2] / "checkpoints" / "shakespeare-char"
+    assert (s.host, s.port) == ("127.0.0.1", 8000)
+
+
+async def test_not_ready_until_the_lifespan_has_loaded_the_model(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    from service.app import create_app
+    from service.settings import Settings
+
+    app = create_app(Settings(checkpoint=tiny_checkpoint, device="cpu"))
+    # No lifespan: the model is never loaded.
+    async with AppClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        ready = await client.get("/ready")
+        assert ready.status_code == 503 and ready.json()["error"]["code"] == "not_ready"
+        assert (await client.get("/health")).status_code == 200
+        r = await client.post("/generate", json={"inputs": "Hi"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
