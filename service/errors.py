@@ -149,6 +149,12 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, APIError):
             return error_response(exc.status_code, exc.message, code=exc.code, param=exc.param,
                                   headers=exc.headers)
+        cause = exc.__cause__
+        if isinstance(cause, UnicodeDecodeError):  # FastAPI's bare "error parsing the body"
+            return error_response(
+                400, f"the request body is not valid UTF-8 (byte {cause.start}: {cause.reason})",
+                code="invalid_utf8",
+            )
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, f"http_{exc.status_code}")
         return error_response(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
 

@@ -1,0 +1,144 @@
+"""Bad input, table-driven: every case gets a 4xx whose message names the problem; nothing breaks.
+
+One real server answers the whole table (the several-MB body goes through uvicorn as users send it),
+then must still be healthy, still generate, and have answered no request with a 5xx.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.reliability.observe import scrape, total
+from tests.service.server import ServerProcess
+
+JSON = {"content-type": "application/json"}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    route: str
+    body: Any  # a JSON-able value, or bytes sent as they are
+    status: int
+    problem: str  # regex (case-insensitive) the error message must match: the field or the problem
+    headers: tuple[tuple[str, str], ...] = (("content-type", "application/json"),)
+
+
+def gen(**params: Any) -> dict[str, Any]:
+    return {"inputs": "Hello", "parameters": {"max_new_tokens": 4, **params}}
+
+
+def comp(**fields: Any) -> dict[str, Any]:
+    return {"prompt": "Hello", "max_tokens": 4, **fields}
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, **fields}
+
+
+MB3 = "a" * (3 << 20)
+
+CASES = [
+    # Shape of the body itself.
+    Case("malformed json", "/generate", b'{"inputs": "Hello",', 422, r"json"),
+    Case("wrong content type", "/generate", json.dumps(gen()).encode(), 415, r"application/json",
+         (("content-type", "text/plain"),)),
+    Case("body is a list", "/generate", [1, 2], 422, r"body|object|dict"),
+    Case("missing inputs", "/generate", {"parameters": {}}, 422, r"inputs"),
+    Case("invalid utf-8", "/generate", b'{"inputs": "\xff\xfe"}', 400, r"utf-?8"),
+    Case("several MB prompt", "/generate", {"inputs": MB3}, 413, r"bytes|too large"),
+    # Wrong types, including booleans where numbers belong.
+    Case("inputs is a number", "/generate", {"inputs": 5}, 422, r"inputs"),
+    Case("max_new_tokens is a string", "/generate", gen(max_new_tokens="8"), 422, r"max_new_tokens"),
+    Case("max_new_tokens is a bool", "/generate", gen(max_new_tokens=True), 422, r"max_new_tokens"),
+    Case("temperature is a bool", "/generate", gen(temperature=True), 422, r"temperature"),
+    Case("seed is a float", "/generate", gen(seed=1.5), 422, r"seed"),
+    Case("stop holds a number", "/generate", gen(stop=[3]), 422, r"stop"),
+    # NaN / Infinity (Python's json module emits and accepts them; strict JSON does not).
+    Case("temperature NaN", "/generate", b'{"inputs": "a", "parameters": {"temperature": NaN}}', 422,
+         r"temperature"),
+    Case("top_p Infinity", "/generate", b'{"inputs": "a", "parameters": {"top_p": Infinity}}', 422,
+         r"top_p"),
+    # Negative or absurd values.
+    Case("negative max_new_tokens", "/generate", gen(max_new_tokens=-1), 422, r"max_new_tokens"),
+    Case("zero max_new_tokens", "/generate", gen(max_new_tokens=0), 422, r"max_new_tokens"),
+    Case("huge max_new_tokens", "/generate", gen(max_new_tokens=10**9), 422, r"max_new_tokens"),
+    Case("negative temperature", "/generate", gen(temperature=-0.5), 422, r"temperature"),
+    Case("top_p above 1", "/generate", gen(top_p=1.5), 422, r"top_p"),
+    Case("negative top_k", "/generate", gen(top_k=-3), 422, r"top_k"),
+    Case("zero repetition_penalty", "/generate", gen(repetition_penalty=0), 422, r"repetition_penalty"),
+    Case("negative seed", "/generate", gen(seed=-1), 422, r"seed"),
+    Case("seed beyond 64 bits", "/generate", gen(seed=2**70), 422, r"seed"),
+    Case("negative truncate", "/generate", gen(truncate=-1), 422, r"truncate"),
+    Case("absurd top_n_tokens", "/generate", gen(top_n_tokens=1000), 422, r"top_n_tokens"),
+    # Text the server cannot take.
+    Case("empty prompt", "/generate", {"inputs": ""}, 422, r"inputs"),
+    Case("lone surrogate", "/generate", b'{"inputs": "ab\\ud800cd"}', 422,
+         r"surrogate|unicode|u\+d800|\\ud800"),
+    Case("character outside the vocabulary", "/generate", {"inputs": "caf\u00e9"}, 422,
+         r"\u00e9|u\+00e9"),
+    Case("too many stop strings", "/generate", gen(stop=[f"s{i}" for i in range(50)]), 422, r"stop"),
+    Case("empty stop string", "/generate", gen(stop=[""]), 422, r"stop"),
+    Case("stream route: bad value", "/generate_stream", gen(temperature=-1), 422, r"temperature"),
+    # OpenAI routes: strict, and unsupported features are named, not ignored.
+    Case("completions: unknown field", "/v1/completions", comp(frobnicate=1), 422, r"frobnicate"),
+    Case("completions: n > 1", "/v1/completions", comp(n=2), 422, r"\bn\b"),
+    Case("completions: empty prompt", "/v1/completions", comp(prompt=""), 422, r"prompt"),
+    Case("completions: huge max_tokens", "/v1/completions", comp(max_tokens=10**9), 422, r"max_tokens"),
+    Case("completions: bool max_tokens", "/v1/completions", comp(max_tokens=True), 422, r"max_tokens"),
+    Case("completions: NaN presence_penalty", "/v1/completions",
+         b'{"prompt": "a", "presence_penalty": NaN}', 422, r"presence_penalty"),
+    Case("chat: unknown field", "/v1/chat/completions", chat(frobnicate=1), 422, r"frobnicate"),
+    Case("chat: n > 1", "/v1/chat/completions", chat(n=3), 422, r"\bn\b"),
+    Case("chat: tools", "/v1/chat/completions",
+         chat(tools=[{"type": "function", "function": {"name": "f"}}]), 422, r"tools"),
+    Case("chat: missing messages", "/v1/chat/completions", {"max_tokens": 4}, 422, r"messages"),
+    Case("chat: empty messages", "/v1/chat/completions", chat(messages=[]), 422, r"messages"),
+    Case("chat: unknown role", "/v1/chat/completions",
+         chat(messages=[{"role": "wizard", "content": "hi"}]), 422, r"role"),
+    Case("chat: content is a number", "/v1/chat/completions",
+         chat(messages=[{"role": "user", "content": 7}]), 422, r"content"),
+    Case("chat: temperature above 2", "/v1/chat/completions", chat(temperature=3.0), 422, r"temperature"),
+    Case("chat: stream is a string", "/v1/chat/completions", chat(stream="yes"), 422, r"stream"),
+    Case("chat: too many stop strings", "/v1/chat/completions", chat(stop=["x"] * 50), 422, r"stop"),
+    Case("chat: character outside the vocabulary", "/v1/chat/completions",
+         chat(messages=[{"role": "user", "content": "\u65e5\u672c"}]), 422, r"\u65e5|u\+65e5"),
+]
+
+
+def send(client: httpx.Client, case: Case) -> httpx.Response:
+    content = case.body if isinstance(case.body, bytes) else json.dumps(case.body).encode()
+    return client.post(case.route, content=content, headers=dict(case.headers))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_is_a_clear_4xx(client: httpx.Client, case: Case) -> None:
+    resp = send(client, case)
+    assert resp.status_code == case.status, f"{case.name}: {resp.status_code} {resp.text[:300]}"
+    error = resp.json()["error"]
+    assert set(error) >= {"message", "type", "code", "param"}
+    assert re.search(case.problem, error["message"], re.IGNORECASE), (
+        f"{case.name}: message does not name the problem ({case.problem!r}): {error['message']!r}"
+    )
+    assert "Traceback" not in resp.text
+
+
+def test_server_is_healthy_after_the_table(client: httpx.Client, shared_server: ServerProcess) -> None:
+    for case in CASES:  # again, so this test stands alone under -k / random order
+        send(client, case)
+    assert client.get("/health").status_code == 200
+    assert client.get("/ready").status_code == 200
+    ok = client.post("/generate", json=gen(max_new_tokens=5, seed=1, details=True))
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["details"]["generated_tokens"] == 5
+    samples = scrape(shared_server.base_url)
+    errors_5xx = sum(v for n, lab, v in samples
+                     if n == "nanoserve_http_requests_total" and lab.get("code", "").startswith("5"))
+    assert errors_5xx == 0
+    assert total(samples, "nanoserve_http_requests_total", code="422") >= len(CASES) - 2
