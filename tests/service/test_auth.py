@@ -1,0 +1,109 @@
+"""API keys and CORS: every route but the probes (and /metrics unless configured) needs a key."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from service.auth import PUBLIC_ROUTES, key_matches
+from tests.service.asgi import AppClient, asgi_client
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+KEYS = ("first-secret-key-1234", "second-secret-key-5678")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(tiny_checkpoint) -> AsyncIterator[AppClient]:  # type: ignore[no-untyped-def]
+    async with asgi_client(tiny_checkpoint, api_keys=",".join(KEYS), cors_origins="https://ok.example") as c:
+        yield c
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+GEN = {"inputs": "Hi", "parameters": {"max_new_tokens": 2}}
+
+
+def protected_routes(client: AppClient) -> list[tuple[str, str]]:
+    """Every (method, path) the app serves that is not public: new routers are covered too."""
+    paths = client.app.openapi()["paths"]
+    return [
+        (method.upper(), path)
+        for path, operations in paths.items()
+        for method in operations
+        if (method.upper(), path) not in PUBLIC_ROUTES and path != "/metrics"
+    ]
+
+
+async def test_every_protected_route_refuses_missing_and_wrong_keys(client: AppClient) -> None:
+    routes = protected_routes(client)
+    assert ("POST", "/generate") in routes and ("GET", "/info") in routes
+    for method, path in routes:
+        for headers, code in (({}, "missing_api_key"), (bearer("wrong-key-000000"), "invalid_api_key"),
+                              ({"Authorization": "Basic Zm9vOmJhcg=="}, "missing_api_key")):
+            r = await client.request(method, path, headers=headers, json=GEN)
+            assert r.status_code == 401, (method, path, r.text)
+            assert r.json()["error"]["code"] == code and r.json()["error"]["type"] == "authentication_error"
+            assert r.headers["www-authenticate"] == "Bearer"
+
+
+async def test_either_configured_key_is_accepted(client: AppClient) -> None:
+    for key in KEYS:
+        assert (await client.post("/generate", json=GEN, headers=bearer(key))).status_code == 200
+        assert (await client.get("/info", headers=bearer(key))).status_code == 200
+
+
+async def test_probes_and_metrics_stay_open(client: AppClient) -> None:
+    for path in ("/health", "/ready", "/metrics"):
+        assert (await client.get(path)).status_code == 200, path
+
+
+async def test_metrics_can_require_a_key(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    async with asgi_client(tiny_checkpoint, api_keys=KEYS[0], metrics_require_auth=True) as c:
+        assert (await c.get("/metrics")).status_code == 401
+        assert (await c.get("/metrics", headers=bearer(KEYS[0]))).status_code == 200
+        assert (await c.get("/health")).status_code == 200
+
+
+async def test_keys_never_reach_the_logs(client: AppClient, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG):
+        await client.post("/generate", json=GEN, headers=bearer(KEYS[0]))
+        await client.post("/generate", json=GEN, headers=bearer("wrong-but-secret-999"))
+        await client.get("/info", headers=bearer(KEYS[1]))
+    assert any(r.name == "nanoserve.access" for r in caplog.records)  # the requests were logged
+    for record in caplog.records:
+        text = record.getMessage() + repr(record.__dict__)
+        for secret in (*KEYS, "wrong-but-secret-999"):
+            assert secret not in text
+
+
+async def test_key_comparison() -> None:
+    keys = [k.encode() for k in KEYS]
+    assert key_matches(KEYS[1], keys)
+    assert not key_matches(KEYS[1][:-1], keys) and not key_matches("", keys)
+    assert not key_matches(KEYS[0] + "x", keys)
+    assert not key_matches("\ud800", keys)  # a lone surrogate neither matches nor raises
+
+
+async def test_cors_allows_only_configured_origins(client: AppClient) -> None:
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    ok = await client.options("/generate", headers={"Origin": "https://ok.example", **preflight})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://ok.example"
+    evil = await client.options("/generate", headers={"Origin": "https://evil.example", **preflight})
+    assert "access-control-allow-origin" not in evil.headers
+    simple = await client.get("/health", headers={"Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in simple.headers
+
+
+async def test_cors_is_off_unless_configured(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    async with asgi_client(tiny_checkpoint) as c:
+        r = await c.get("/health", headers={"Origin": "https://ok.example"})
+        assert "access-control-allow-origin" not in r.headers
+        pre = await c.options("/generate", headers={"Origin": "https://ok.example",
+                                                     "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in pre.headers
