@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from model.chat_template import render_chat
 from model.config import PRESETS
 from model.training.data import TrainInputError
 from model.training.trainer import TrainConfig, train
@@ -69,8 +70,13 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.chat_template:
         try:
             template = json.loads(args.chat_template.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise TrainInputError(f"--chat-template {args.chat_template}: {e}") from None
+            # Render a tiny conversation now, so a broken template fails here rather than in the
+            # server after hours of training.
+            render_chat(template, [{"role": "user", "content": "hi"}])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            reason = (f"no {e} (a template needs roles, message and generation_prompt, and uses "
+                      "only the {role} and {content} placeholders)") if isinstance(e, KeyError) else str(e)
+            raise TrainInputError(f"--chat-template {args.chat_template}: {reason}") from None
     return TrainConfig(
         corpus=args.corpus, out_dir=args.out, tokenizer=args.tokenizer, name=args.name,
         model=model, batch_size=args.batch_size, grad_accum=args.grad_accum,
@@ -89,6 +95,10 @@ def run_train(args: argparse.Namespace) -> int:
     except TrainInputError as e:
         print(f"nanoserve train: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"nanoserve train: interrupted; the best checkpoint so far (if any) is in {args.out}, "
+              "continue with --resume", file=sys.stderr)
+        return 130
     if prov:
         print(
             f"saved {args.out}: best val loss {prov['best_val_loss']:.4f} "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from model.tokenizer import Tokenizer
+from model.tokenizer import Tokenizer, TokenizerError
 
 
 class TrainInputError(ValueError):
@@ -46,7 +46,10 @@ def encode_and_split(
     corpus: Corpus, tokenizer: Tokenizer, block_size: int, val_fraction: float = 0.1
 ) -> TokenSplits:
     """Encode, then split by position: the first 90% trains, the last 10% validates."""
-    ids = torch.tensor(tokenizer.encode(corpus.text), dtype=torch.long)
+    try:
+        ids = torch.tensor(tokenizer.encode(corpus.text), dtype=torch.long)
+    except TokenizerError as e:  # a resumed run's vocabulary meeting a different corpus
+        raise TrainInputError(f"corpus {corpus.name}: {e}") from None
     n_val = int(len(ids) * val_fraction)
     train, val = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
     # A batch row needs block_size + 1 tokens (inputs plus the shifted targets).

@@ -29,6 +29,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "latin1.txt").write_bytes("Caf\u00e9 au lait, s'il vous pla\u00eet.\n".encode("latin-1") * 50)
     (tmp / "short.txt").write_text("To be or not to be.\n")
     (tmp / "a-file").write_text("not a directory")
+    bad_json, no_roles = tmp / "bad.json", tmp / "no-roles.json"
+    bad_json.write_text("{roles: 1")
+    no_roles.write_text('{"message": "{role}: {content}\\n", "generation_prompt": "{role}:"}')
     out = str(tmp / "out")
     return {
         "empty": ([str(tmp / "empty.txt"), "--out", out, *TINY], "empty.txt is empty"),
@@ -45,6 +48,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                    "--warmup-iters must be at least 0 and less than --max-iters"),
         "tokenizer": ([str(good), "--out", out, *TINY, "--tokenizer", "bpe:10"], "at least 257"),
         "fp16-cpu": ([str(good), "--out", out, *TINY, "--dtype", "float16"], "needs a CUDA device"),
+        "template-json": ([str(good), "--out", out, *TINY, "--chat-template", str(bad_json)],
+                          "bad.json: Expecting"),
+        "template-keys": ([str(good), "--out", out, *TINY, "--chat-template", str(no_roles)],
+                          "no-roles.json: no 'roles'"),
     }
 
 
@@ -63,8 +70,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.Co
         )
         for name, (argv, _) in _cases(tmp).items() if name in SUBPROCESS_CASES
     }
-    procs["help"] = subprocess.Popen([sys.executable, "-m", "service.cli", "train", "--help"], cwd=ROOT,
-                                     env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # The installed console script, as users type it (the module form where it is not installed).
+    script = Path(sys.executable).parent / "nanoserve"
+    nanoserve = [str(script)] if script.is_file() else [sys.executable, "-m", "service.cli"]
+    procs["help"] = subprocess.Popen([*nanoserve, "train", "--help"], cwd=ROOT, env=env, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out = {}
     for name, p in procs.items():
         stdout, stderr = p.communicate(timeout=240)
@@ -87,7 +97,8 @@ def test_bad_input_in_a_subprocess(results, case: str) -> None:  # type: ignore[
     _check_one_error_line(r.returncode, r.stderr, results["_messages"][case][1])
 
 
-IN_PROCESS_CASES = ["missing", "resume-nothing", "heads", "warmup", "tokenizer", "fp16-cpu"]
+IN_PROCESS_CASES = ["missing", "resume-nothing", "heads", "warmup", "tokenizer", "fp16-cpu",
+                    "template-json", "template-keys"]
 
 
 @pytest.mark.parametrize("case", IN_PROCESS_CASES)
@@ -102,3 +113,17 @@ def test_train_help_lists_the_options(results) -> None:  # type: ignore[no-untyp
     assert r.returncode == 0 and r.stderr == ""
     for flag in ("--tokenizer", "--preset", "--resume", "--grad-accum", "--dtype", "--max-minutes"):
         assert flag in r.stdout
+
+
+def test_resuming_on_a_corpus_the_vocabulary_cannot_encode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = make_corpus(tmp_path / "good.txt", sentences=60)
+    out = str(tmp_path / "out")
+    assert main(["train", str(good), "--out", out, *TINY]) == 0
+    other = tmp_path / "other.txt"
+    other.write_text(good.read_text() + "Five \u20ac.\n")
+    capsys.readouterr()
+    code = main(["train", str(other), "--out", out, "--resume", "--max-iters", "6",
+                 "--warmup-iters", "1", "--no-progress"])
+    _check_one_error_line(code, capsys.readouterr().err, "other.txt: character '\u20ac' (U+20AC) at position")
