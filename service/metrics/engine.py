@@ -9,10 +9,10 @@ stale by a missed update and an idle server always reads zero.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from service.engine.types import EngineStats, FinishReason, Usage
@@ -80,22 +80,26 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         families = self._families()
+        values: dict[str, float] = {
+            # Probed on their own: when the engine is broken these must read 0, not vanish (alerts).
+            "nanoserve_ready": _probe(lambda: self._engine.ready),
+            "nanoserve_engine_healthy": _probe(self._engine.health),
+        }
+        if self._queue_capacity is not None:
+            values["nanoserve_queue_capacity"] = self._queue_capacity
         try:
             stats = self._engine.stats()
-            values = {
+            values |= {
                 "nanoserve_running_sequences": stats.running,
                 "nanoserve_waiting_requests": stats.waiting,
                 "nanoserve_kv_slots_in_use": stats.slots_used,
                 "nanoserve_kv_slots_capacity": stats.slots_total,
                 "nanoserve_kv_cache_bytes": stats.kv_cache_bytes,
-                "nanoserve_ready": int(self._engine.ready),
-                "nanoserve_engine_healthy": int(self._engine.health()),
             }
-            if self._queue_capacity is not None:
-                values["nanoserve_queue_capacity"] = self._queue_capacity
-        except Exception:  # a broken engine shows as missing gauges, the scrape itself still works
+            if "context_shifts_total" in stats.extra:
+                values["nanoserve_engine_context_shifts"] = stats.extra["context_shifts_total"]
+        except Exception:  # missing scheduler gauges, never stale or made-up ones; the scrape still works
             log.exception("reading engine stats for /metrics failed")
-            return iter(())
         for family in families:
             if family.name in values:
                 family.add_metric([], float(values[family.name]))
@@ -104,7 +108,7 @@ class EngineCollector(Collector):
         return iter(f for f in families if f.samples)
 
     @staticmethod
-    def _families() -> list[GaugeMetricFamily]:
+    def _families() -> list[GaugeMetricFamily | CounterMetricFamily]:
         specs = [
             ("nanoserve_running_sequences", "Sequences being generated now (holding a KV slot)."),
             ("nanoserve_waiting_requests", "Requests queued for a KV slot."),
@@ -115,7 +119,11 @@ class EngineCollector(Collector):
             ("nanoserve_ready", "1 when the server accepts generation requests (warmed up, not draining)."),
             ("nanoserve_engine_healthy", "1 while the engine's model thread is alive."),
         ]
-        families = [GaugeMetricFamily(name, doc) for name, doc in specs]
+        families: list[GaugeMetricFamily | CounterMetricFamily] = [GaugeMetricFamily(n, d) for n, d in specs]
+        families.append(CounterMetricFamily(
+            "nanoserve_engine_context_shifts",
+            "Context shifts: a sequence reached the window and was re-prefilled from its recent tokens.",
+        ))
         families.append(
             GaugeMetricFamily("nanoserve_model_info", "The served model; always 1.", labels=MODEL_INFO_LABELS)
         )
@@ -127,3 +135,11 @@ class EngineCollector(Collector):
         except Exception:
             log.exception("reading engine info for /metrics failed")
             return None
+
+
+def _probe(read: Callable[[], bool]) -> int:
+    try:
+        return int(bool(read()))
+    except Exception:
+        log.exception("probing the engine for /metrics failed")
+        return 0

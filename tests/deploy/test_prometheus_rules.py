@@ -47,7 +47,7 @@ def test_alert_rules_pass_their_unit_tests() -> None:
 def exported_series_names() -> set[str]:
     """Every sample name a nanoserve /metrics can carry, from the registry's metric families."""
     metrics = Metrics()
-    metrics.bind_engine(FakeEngine(EngineStats(0, 0, 0, 4, 0)))
+    metrics.bind_engine(FakeEngine(EngineStats(0, 0, 0, 4, 0, extra={"context_shifts_total": 0.0})))
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     names: set[str] = set()
     for family in metrics.registry.collect():
@@ -109,3 +109,13 @@ def test_dashboard_is_well_formed_and_provisioned() -> None:
     datasources = yaml.safe_load((PROVISIONING / "datasources" / "prometheus.yml").read_text())
     datasource = datasources["datasources"][0]
     assert datasource["type"] == "prometheus" and datasource["url"].startswith("http://")
+
+
+def test_every_exported_metric_is_documented() -> None:
+    docs = (ROOT / "docs" / "metrics.md").read_text()
+    documented = set(re.findall(r"`(nanoserve_[a-z_]+)`", docs))
+    exported = {n for n in exported_series_names() if n.startswith("nanoserve_")}
+    # Histograms are documented by their family name, counters with their _total suffix.
+    families = {re.sub(r"_(bucket|sum|count)$", "", n) for n in exported}
+    assert families - documented == set(), "metrics missing from docs/metrics.md"
+    assert documented - families == set(), "docs/metrics.md lists metrics that are not exported"

@@ -180,6 +180,8 @@ class FakeEngine:
     config: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(max_queue=64))
 
     def health(self) -> bool:
+        if self.broken:
+            raise RuntimeError("engine gone")
         return True
 
     def stats(self) -> EngineStats:
@@ -195,8 +197,10 @@ class FakeEngine:
 
 def test_engine_gauges_are_read_at_scrape_time_and_idle_reads_zero() -> None:
     m = Metrics()
-    engine = FakeEngine(EngineStats(running=2, waiting=5, slots_used=2, slots_total=8, kv_cache_bytes=4096))
+    engine = FakeEngine(EngineStats(running=2, waiting=5, slots_used=2, slots_total=8, kv_cache_bytes=4096,
+                                    extra={"context_shifts_total": 3.0}))
     m.bind_engine(engine)
+    assert value(m, "nanoserve_engine_context_shifts_total") == 3
     assert value(m, "nanoserve_running_sequences") == 2
     assert value(m, "nanoserve_waiting_requests") == 5
     assert value(m, "nanoserve_kv_slots_in_use") == 2
@@ -221,6 +225,8 @@ def test_broken_engine_does_not_break_the_scrape() -> None:
     assert content_type.startswith("text/plain")
     assert b"nanoserve_running_sequences" not in body  # missing, not a stale or made-up value
     assert b"process_cpu_seconds_total" in body
+    # Health must read 0 rather than vanish, or the alert on it could never fire.
+    assert m.registry.get_sample_value("nanoserve_engine_healthy") == 0
 
 
 def app_with_metrics(m: Metrics) -> FastAPI:
