@@ -111,11 +111,12 @@ def test_dashboard_is_well_formed_and_provisioned() -> None:
     assert datasource["type"] == "prometheus" and datasource["url"].startswith("http://")
 
 
-def test_every_exported_metric_is_documented() -> None:
-    docs = (ROOT / "docs" / "metrics.md").read_text()
-    documented = set(re.findall(r"`(nanoserve_[a-z_]+)`", docs))
+@pytest.mark.parametrize("doc", ["docs/metrics.md", "README.md"])
+def test_every_exported_metric_is_documented(doc: str) -> None:
+    docs = (ROOT / doc).read_text()
+    documented = set(re.findall(r"`(nanoserve_[a-z_]+)[`{]", docs))
     exported = {n for n in exported_series_names() if n.startswith("nanoserve_")}
     # Histograms are documented by their family name, counters with their _total suffix.
     families = {re.sub(r"_(bucket|sum|count)$", "", n) for n in exported}
-    assert families - documented == set(), "metrics missing from docs/metrics.md"
-    assert documented - families == set(), "docs/metrics.md lists metrics that are not exported"
+    assert families - documented == set(), f"metrics missing from {doc}"
+    assert documented - families == set(), f"{doc} lists metrics that are not exported"
