@@ -15,6 +15,7 @@ LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0,
 )
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_COUNT_BUCKETS = tuple(2**i for i in range(15))  # 1 to 16384 tokens per request
 
 
 class Instruments:
@@ -71,6 +72,14 @@ class Instruments:
         )
         self.generated_tokens = counter(
             "nanoserve_generated_tokens_total", "Tokens generated and delivered to clients."
+        )
+        self.request_prompt_tokens = Histogram(
+            "nanoserve_request_prompt_tokens", "Prompt tokens per generation request, after cropping.",
+            buckets=TOKEN_COUNT_BUCKETS, registry=registry,
+        )
+        self.request_generated_tokens = Histogram(
+            "nanoserve_request_generated_tokens", "Tokens generated per request (counted when it ends).",
+            buckets=TOKEN_COUNT_BUCKETS, registry=registry,
         )
         self.cropped_tokens = counter(
             "nanoserve_cropped_prompt_tokens_total",

@@ -35,10 +35,12 @@ class TrackableStream(Protocol):
 class _RequestRecord:
     """Running state of one tracked request; records into the instruments as events pass."""
 
-    def __init__(self, m: Instruments, route: str, arrival: float) -> None:
+    def __init__(self, m: Instruments, route: str, arrival: float, prompt_tokens: int) -> None:
         self.m = m
         self.route = route
         self.arrival = arrival
+        self.prompt_tokens = prompt_tokens
+        self.generated = 0
         self.started = time.perf_counter()  # ~ when the engine accepted the request
         self.last_token_at: float | None = None
         self.reason: str | None = None  # set once: the request's one finish-reason series
@@ -46,6 +48,7 @@ class _RequestRecord:
     def on_event(self, event: TokenEvent) -> None:
         now = time.perf_counter()
         if event.token_id is not None:
+            self.generated += 1
             self.m.generated_tokens.inc()
             if self.last_token_at is None:
                 self.m.ttft.observe(now - self.arrival)
@@ -65,13 +68,15 @@ class _RequestRecord:
         if self.reason is None:
             self.reason = reason
             self.m.finished.labels(route=self.route, finish_reason=reason).inc()
+            self.m.request_prompt_tokens.observe(self.prompt_tokens)
+            self.m.request_generated_tokens.observe(self.generated)
 
 
 async def track_stream(
     m: Instruments, stream: TrackableStream, route: str, arrival: float
 ) -> AsyncGenerator[TokenEvent, None]:
     """Yield `stream`'s events unchanged while recording them; closing this early closes `stream`."""
-    record = _RequestRecord(m, route, arrival)
+    record = _RequestRecord(m, route, arrival, stream.prompt_tokens)
     m.prompt_tokens.inc(stream.prompt_tokens)
     m.cropped_tokens.inc(stream.cropped_tokens)
     try:

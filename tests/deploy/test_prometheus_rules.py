@@ -4,6 +4,7 @@ not silently blank a panel or disarm an alert)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -89,6 +90,14 @@ def test_alerts_cover_what_operators_page_on() -> None:
         assert rules[name]["annotations"]["summary"] and rules[name]["annotations"]["description"]
     tested = set(re.findall(r"alertname: (\w+)", (PROMETHEUS_DIR / "alerts_test.yml").read_text()))
     assert tested == set(rules), "every alert needs a promtool unit test"
+
+
+def test_dashboard_json_is_what_its_generator_writes() -> None:
+    spec = importlib.util.spec_from_file_location("dashboard", ROOT / "deploy" / "grafana" / "dashboard.py")
+    assert spec is not None and spec.loader is not None
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    assert DASHBOARD.read_text() == generator.render(), "run: python deploy/grafana/dashboard.py"
 
 
 def test_dashboard_is_well_formed_and_provisioned() -> None:

@@ -88,6 +88,10 @@ async def test_tracked_stream_yields_same_events_and_counts_tokens() -> None:
     assert value(m, "nanoserve_time_to_first_token_seconds_count") == 1
     assert value(m, "nanoserve_inter_token_latency_seconds_count") == 3
     assert value(m, "nanoserve_queue_duration_seconds_count") == 1
+    assert value(m, "nanoserve_request_generated_tokens_sum") == 4
+    assert value(m, "nanoserve_request_generated_tokens_bucket", le="4.0") == 1
+    assert value(m, "nanoserve_request_generated_tokens_bucket", le="2.0") == 0
+    assert value(m, "nanoserve_request_prompt_tokens_sum") == 7
     # Arrival was perf_counter() 0.0, long before: TTFT and queue time include the time before it.
     assert value(m, "nanoserve_time_to_first_token_seconds_sum") > 0
     assert value(m, "nanoserve_queue_duration_seconds_sum") >= 0.002
