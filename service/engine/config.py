@@ -21,8 +21,13 @@ class EngineConfig:
     crop_policy: str = "shift"  # shift (amortized, default) | sliding (exactly nanoGPT)
     shift_keep: int | None = None  # tokens kept on a context shift (default: window // 2)
     reject_long_prompts: bool = False  # True: PromptTooLong instead of cropping
+    # Context window per sequence (<= the model's block_size; None = block_size). The KV cache is
+    # max_seqs x max_context tokens, so this bounds its memory for long-context models.
+    max_context: int | None = None
     deterministic: bool = False  # every row computed alone: bit-identical alone vs batched
     compile: bool = False  # torch.compile the decode step (warm-up compiles it)
+    # CPU: run linear layers through oneDNN with weights reordered once (see packed_linear.py).
+    packed_linear: bool = True
     # TEST-ONLY hook for exercising fault isolation in a running server. "nan:<marker>": rows
     # whose prompt text contains <marker> get NaN logits; "raise:<marker>": the forward pass
     # raises whenever such a row is in the batch. Never set it in production.
@@ -41,6 +46,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.crop_policy not in CROP_POLICIES:
             raise ValueError(f"crop_policy must be shift or sliding, got {self.crop_policy!r}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"max_context must be at least 2, got {self.max_context!r}")
         if self.shift_keep is not None and self.shift_keep < 1:
             raise ValueError(f"shift_keep must be a positive integer, got {self.shift_keep!r}")
         if self.fault_injection is not None:
@@ -59,6 +66,9 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    def window_for(self, block_size: int) -> int:
+        return min(block_size, self.max_context or block_size)
 
     def keep_tokens(self, window: int) -> int:
         """Tokens a context shift keeps: shift_keep clamped to the window (at least 1)."""

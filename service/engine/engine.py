@@ -19,6 +19,7 @@ from typing import Any
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.tokenizer import Tokenizer, TokenizerError
 from service.engine.config import EngineConfig
+from service.engine.packed_linear import pack_linears, packed_linear_supported
 from service.engine.request import Request
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler, StepResult, WaitingQueue
@@ -48,10 +49,17 @@ class Engine:
         self.config = config
         self.observer: EngineObserver = observer or NullObserver()
         self.tokenizer: Tokenizer = checkpoint.tokenizer
-        self.window = checkpoint.config.block_size
+        self.window = config.window_for(checkpoint.config.block_size)
         self.device = config.resolved_device()
         self.model = checkpoint.build_model(self.device, config.torch_dtype)
-        self.runner = ModelRunner(self.model, config.max_seqs, deterministic=config.deterministic)
+        self.num_params = self.model.num_params(non_embedding=False)
+        self.packed_linears = 0
+        if config.packed_linear and packed_linear_supported(self.model.wte.weight.device, config.torch_dtype):
+            self.packed_linears = pack_linears(self.model, batch_hint=config.max_seqs)
+        self.runner = ModelRunner(
+            self.model, config.max_seqs, self.window,
+            usable_vocab=self.tokenizer.vocab_size, deterministic=config.deterministic,
+        )
         self.scheduler = Scheduler(self.runner, self.tokenizer, config, self.window)
         self._fault_kind, _, self._fault_marker = (config.fault_injection or "").partition(":")
         self._waiting = WaitingQueue()
@@ -199,7 +207,7 @@ class Engine:
         return {
             "model": self.checkpoint.name,
             "model_config": cfg.to_dict(),
-            "parameters": self.model.num_params(non_embedding=False),
+            "parameters": self.num_params,
             "tokenizer": {"kind": self.tokenizer.kind, "vocab_size": self.tokenizer.vocab_size,
                           "eos_id": self.tokenizer.eos_id},
             "window": self.window,
@@ -212,6 +220,7 @@ class Engine:
             "shift_keep": self.config.keep_tokens(self.window),
             "reject_long_prompts": self.config.reject_long_prompts,
             "deterministic": self.config.deterministic,
+            "packed_linear": self.packed_linears > 0,
             "kv_cache_bytes": self.runner.cache.nbytes,
             "provenance": self.checkpoint.provenance,
         }

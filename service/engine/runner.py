@@ -19,6 +19,7 @@ from model.sampling import (
     seeded_uniform,
     token_logprobs,
 )
+from service.engine.kv_slots import SpanKVCache
 from service.engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -51,11 +52,19 @@ class SampleResult:
 
 
 class ModelRunner:
-    def __init__(self, model: GPT, slots: int, deterministic: bool = False) -> None:
+    def __init__(
+        self, model: GPT, slots: int, window: int, usable_vocab: int, deterministic: bool = False
+    ) -> None:
         self.model = model
         self.device = model.wte.weight.device
-        self.cache = model.new_cache(slots)
+        cfg = model.config
+        self.cache = SpanKVCache(
+            cfg.n_layer, slots, cfg.n_head, window, cfg.head_dim, model.wte.weight.dtype, self.device
+        )
         self.vocab = model.config.vocab_size
+        # nanoGPT pads the vocabulary (50257 -> 50304) for speed: ids the tokenizer cannot
+        # decode must never be sampled.
+        self.usable_vocab = usable_vocab
         self.deterministic = deterministic
         # Penalty state per slot, kept on the device so a step never rebuilds it from lists:
         # which tokens the context holds (repetition) and how often each was generated (OpenAI).
@@ -73,6 +82,8 @@ class ModelRunner:
         logits: dict[int, torch.Tensor] = {}
         errors: dict[int, str] = {}
         for idx in groups.values():
+            # Rows in slot order: consecutive slots let the cache hand out a view, not a copy.
+            idx.sort(key=lambda i: items[i].req.slot)
             self._run_isolated(items, idx, logits, errors)
         return logits, errors
 
@@ -103,7 +114,9 @@ class ModelRunner:
         idx = torch.tensor([item.tokens for item in items], dtype=torch.long, device=self.device)
         start = torch.tensor([item.start for item in items], dtype=torch.long, device=self.device)
         pos = start.view(-1, 1) + torch.arange(t, device=self.device).view(1, -1)  # (G, T)
-        slots = torch.tensor([item.req.slot for item in items], dtype=torch.long, device=self.device)
+        slot_list = [item.req.slot for item in items]
+        slots = torch.tensor(slot_list, dtype=torch.long, device=self.device)
+        self.cache.prepare(slot_list, [item.start + t for item in items])
         logits = self.model(idx, input_pos=pos, cache=self.cache, slots=slots, last_only=True)[:, -1, :]
         nan_rows = [j for j, item in enumerate(items) if item.req.fault == "nan"]
         if nan_rows:
@@ -133,8 +146,10 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> SampleResult:
         """Sample one token for each row of logits (N, V); non-finite rows are flagged."""
-        finite = torch.isfinite(logits).all(dim=-1)
+        finite = torch.isfinite(logits[:, : self.usable_vocab]).all(dim=-1)
         logits = torch.where(finite.view(-1, 1), logits, 0.0)
+        if self.usable_vocab < self.vocab:
+            logits[:, self.usable_vocab :] = float("-inf")
         batch = self._batch(reqs)
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
         penal = batch.repetition_penalty is not None or batch.frequency_penalty is not None

@@ -1,0 +1,322 @@
+"""Engine benchmark: this engine vs its peers and vs the machine's measured limits, in one run.
+
+    python bench/engine.py [--shapes 10.7M,124M] [--dtypes float32] [--concurrency 1,8,32,64]
+
+For each model shape (random GPT-2-architecture weights) and dtype, on the same prompts:
+  (a) this engine (in-process, greedy, every sequence generating the same number of tokens),
+  (b) a naive recompute loop like nanoGPT's sample.py (no KV cache, whole context every token),
+  (c) Hugging Face transformers `generate()` with its KV cache on the exported GPT-2 weights,
+  (d) llama.cpp through llama-cpp-python on a GGUF conversion (skipped when not installed),
+plus the machine's limits measured in the same run: memory read bandwidth (-> tokens/s when every
+decode step reads all weights once, the batch-1 bound) and matmul throughput (-> tokens/s when
+matmul FLOPs are the bound, large batches). Prints ratios to this engine and writes
+bench/results/engine.json and engine.md. Not a test: nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model.checkpoint import Checkpoint
+from model.config import GPTConfig
+from model.gpt import GPT
+from model.tokenizer import CharTokenizer, WordTokenizer
+from service.engine.config import EngineConfig
+from service.engine.engine import Engine
+from service.engine.types import FinishReason, SamplingParams, Usage
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES: dict[str, dict[str, int]] = {
+    # nanoGPT's shakespeare_char model (10.7M parameters) and GPT-2 small (124M).
+    "10.7M": dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384),
+    "124M": dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Run:
+    peer: str
+    concurrency: int
+    tokens: int
+    seconds: float
+    step_ms: float  # median decode step (engine: measured per step; peers: total / new tokens)
+    note: str = ""
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds
+
+
+@dataclass
+class ShapeResult:
+    shape: str
+    dtype: str
+    params: int
+    runs: list[Run] = field(default_factory=list)
+    limits: dict[str, float] = field(default_factory=dict)
+
+
+def make_checkpoint(shape: str, dtype: str) -> Checkpoint:
+    cfg = GPTConfig(**SHAPES[shape])
+    if cfg.vocab_size <= 256:
+        tok: Any = CharTokenizer([chr(32 + i) for i in range(cfg.vocab_size)])
+    else:  # a synthetic word vocabulary of GPT-2's size: every id decodes
+        tok = WordTokenizer([f"w{i}" for i in range(cfg.vocab_size - 1)])
+    torch.manual_seed(0)
+    model = GPT(cfg).to(DTYPES[dtype])
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    return Checkpoint(config=cfg, tokenizer=tok, state_dict=state, name=f"random-{shape}", dtype=dtype)
+
+
+def prompts_for(ckpt: Checkpoint, n: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    vocab = ckpt.tokenizer.vocab_size
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------------- (a) engine
+class StepTimes:
+    def __init__(self) -> None:
+        self.decode: list[float] = []
+
+    def on_step(self, duration_s: float, batch_size: int, prefill_tokens: int) -> None:
+        if prefill_tokens == 0:
+            self.decode.append(duration_s)
+
+    def on_finish(self, reason: FinishReason, usage: Usage) -> None:
+        pass
+
+    def on_rejected(self, reason: str) -> None:
+        pass
+
+
+async def _engine_run(engine: Engine, prompts: list[list[int]], new: int) -> float:
+    params = SamplingParams(max_new_tokens=new, temperature=0.0, stop_on_eos=False)
+
+    async def one(p: list[int]) -> int:
+        return len([e async for e in await engine.generate(p, params) if e.token_id is not None])
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(p) for p in prompts))
+    elapsed = time.perf_counter() - t0
+    assert all(c == new for c in counts), counts
+    return elapsed
+
+
+def bench_engine(ckpt: Checkpoint, conc: int, prompts: list[list[int]], new: int, cfg: dict[str, Any]) -> Run:
+    times = StepTimes()
+    window = min(ckpt.config.block_size, 256)  # bounds KV memory; prompts + new tokens fit
+    config = EngineConfig(max_seqs=conc, max_queue=conc, dtype=ckpt.dtype, max_context=window, **cfg)
+    engine = Engine(ckpt, config, observer=times)
+    engine.start()
+
+    async def go() -> float:
+        await engine.warmup()
+        await _engine_run(engine, prompts[:conc], 4)  # warm this batch size's shapes
+        times.decode.clear()
+        elapsed = await _engine_run(engine, prompts[:conc], new)
+        await engine.shutdown(0.0)
+        return elapsed
+
+    elapsed = asyncio.run(go())
+    return Run("engine", conc, conc * new, elapsed, 1e3 * statistics.median(times.decode))
+
+
+# ------------------------------------------------------------------------------- (b) naive loop
+@torch.inference_mode()
+def bench_naive(model: GPT, conc: int, prompts: list[list[int]], new: int) -> Run:
+    """nanoGPT sample.py: crop to block_size, full forward, take the last logits, append."""
+    block = model.config.block_size
+    idx = torch.tensor(prompts[:conc], dtype=torch.long)
+    model(idx[:, -block:])  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(new):
+        logits = model(idx[:, -block:])[:, -1, :]
+        idx = torch.cat((idx, logits.argmax(dim=-1, keepdim=True)), dim=1)
+    elapsed = time.perf_counter() - t0
+    return Run("naive", conc, conc * new, elapsed, 1e3 * elapsed / new)
+
+
+# ---------------------------------------------------------------------------------- (c) HF
+def hf_model(ckpt: Checkpoint) -> Any:
+    from transformers import GPT2LMHeadModel
+
+    from model.hf import export_hf
+
+    out = Path(tempfile.mkdtemp(prefix="nanoserve-bench-hf-"))
+    export_hf(ckpt, out)
+    return GPT2LMHeadModel.from_pretrained(out, torch_dtype=DTYPES[ckpt.dtype]).eval(), out
+
+
+@torch.inference_mode()
+def bench_hf(model: Any, conc: int, prompts: list[list[int]], new: int) -> Run:
+    ids = torch.tensor(prompts[:conc], dtype=torch.long)
+    kwargs = dict(
+        attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, eos_token_id=None,
+        use_cache=True,
+    )
+    model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm-up
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs)
+    elapsed = time.perf_counter() - t0
+    assert out.shape[1] == ids.shape[1] + new
+    return Run("hf", conc, conc * new, elapsed, 1e3 * elapsed / new)
+
+
+# ------------------------------------------------------------------------------- limits
+def measure_limits(dtype: torch.dtype) -> dict[str, float]:
+    """Memory read bandwidth (sum over a 512 MiB buffer) and matmul FLOP/s, best of a few."""
+    buf = torch.ones(128 * 2**20, dtype=torch.float32)
+    best_bw = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        buf.sum()
+        best_bw = max(best_bw, buf.nbytes / (time.perf_counter() - t0))
+    del buf
+    n = 2048
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    best_flops = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ b
+        best_flops = max(best_flops, 2 * n**3 / (time.perf_counter() - t0))
+    return {"bandwidth_GBps": best_bw / 1e9, "matmul_GFLOPs": best_flops / 1e9}
+
+
+def model_costs(cfg: GPTConfig, dtype: torch.dtype) -> tuple[float, float]:
+    """(bytes of weights read per decode step, matmul FLOPs per generated token)."""
+    with torch.device("meta"):
+        m = GPT(cfg)
+    total = sum(p.numel() for p in m.parameters())  # tied lm_head counted once
+    elem = torch.finfo(dtype).bits // 8
+    # Per token: every Linear (incl. the tied lm_head) costs 2 FLOPs per weight; embeddings are lookups.
+    linear = sum(mod.weight.numel() for mod in m.modules() if isinstance(mod, torch.nn.Linear))
+    return float(total * elem), float(2 * linear)
+
+
+# ------------------------------------------------------------------------------- driver
+def load_avg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def run_shape(shape: str, dtype: str, concs: list[int], args: argparse.Namespace) -> ShapeResult:
+    from bench.llama_peer import bench_llama  # the optional llama.cpp peer
+
+    ckpt = make_checkpoint(shape, dtype)
+    model = ckpt.build_model("cpu")
+    res = ShapeResult(shape, dtype, model.num_params(non_embedding=False))
+    res.limits = measure_limits(DTYPES[dtype])
+    weight_bytes, flops_per_token = model_costs(ckpt.config, DTYPES[dtype])
+    res.limits["bound_tps_batch1"] = res.limits["bandwidth_GBps"] * 1e9 / weight_bytes
+    res.limits["bound_tps_compute"] = res.limits["matmul_GFLOPs"] * 1e9 / flops_per_token
+    new = args.new_tokens if shape == "10.7M" else max(4, args.new_tokens // 2)
+    prompts = prompts_for(ckpt, max(concs), args.prompt_tokens)
+    hf, hf_dir = hf_model(ckpt)
+    for conc in concs:
+        print(f"[{shape} {dtype}] concurrency {conc}  (load {load_avg()})", flush=True)
+        res.runs.append(bench_engine(ckpt, conc, prompts, new, {}))
+        naive_new = new if shape == "10.7M" or conc <= 8 else max(2, new // 4)
+        res.runs.append(bench_naive(model, conc, prompts, naive_new))
+        res.runs.append(bench_hf(hf, conc, prompts, new))
+        llama = bench_llama(hf_dir, ckpt, conc, prompts, new, args.threads)
+        if llama is not None:
+            res.runs.append(llama)
+        for r in res.runs[-4:]:
+            if r.concurrency == conc:
+                print(f"    {r.peer:7s} {r.tps:9.1f} tok/s  step {r.step_ms:8.2f} ms {r.note}", flush=True)
+    return res
+
+
+def table(results: list[ShapeResult]) -> str:
+    lines = [
+        "| model | dtype | conc | engine tok/s | engine step ms | naive / engine | HF / engine | "
+        "llama.cpp / engine | engine / limit |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for res in results:
+        for conc in sorted({r.concurrency for r in res.runs}):
+            by = {r.peer: r for r in res.runs if r.concurrency == conc}
+            eng = by["engine"]
+            bound = res.limits["bound_tps_batch1"] if conc == 1 else res.limits["bound_tps_compute"]
+            bound = min(bound, res.limits["bound_tps_batch1"] * conc)
+
+            peers = ("naive", "hf", "llama.cpp")
+            ratios = [f"{by[p].tps / eng.tps:.2f}" if p in by else "n/a" for p in peers]
+            lines.append(
+                f"| {res.shape} | {res.dtype} | {conc} | {eng.tps:.0f} | {eng.step_ms:.1f} | "
+                f"{' | '.join(ratios)} | {eng.tps / bound:.0%} |"
+            )
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="10.7M,124M")
+    ap.add_argument("--dtypes", default="float32")
+    ap.add_argument("--concurrency", default="1,8,32,64")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--out", default=str(RESULTS / "engine"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    concs = [int(c) for c in args.concurrency.split(",")]
+    started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_before": load_avg()}
+    results = [
+        run_shape(shape, dtype, concs, args)
+        for shape in args.shapes.split(",") for dtype in args.dtypes.split(",")
+    ]
+    md = table(results)
+    print(md)
+    meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"meta": meta, "results": [
+        {"shape": r.shape, "dtype": r.dtype, "params": r.params, "limits": r.limits,
+         "runs": [{**vars(x), "tps": x.tps} for x in r.runs]} for r in results]}
+    out.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+    header = (f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
+              f"{meta['machine']['torch']}, {args.threads} threads; {meta['utc']}; load before/after "
+              f"{meta['load_before']} / {meta['load_after']}.\n\n")
+    limits = "\n".join(
+        f"- {r.shape} {r.dtype}: {r.limits['bandwidth_GBps']:.1f} GB/s read -> batch-1 bound "
+        f"{r.limits['bound_tps_batch1']:.0f} tok/s; {r.limits['matmul_GFLOPs']:.0f} GFLOP/s matmul -> "
+        f"compute bound {r.limits['bound_tps_compute']:.0f} tok/s" for r in results)
+    out.with_suffix(".md").write_text(header + md + "\n\nMeasured limits (same run):\n" + limits + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
