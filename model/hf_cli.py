@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from model.checkpoint import CheckpointError, load_checkpoint
-from model.hf import HFConversionError, export_hf, import_hf
+from model.hf import OUR_TOKENIZER, HFConversionError, export_hf, import_hf
 
 
 def add_hf_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -47,6 +47,9 @@ def run_export(args: argparse.Namespace) -> int:
         print(f"nanoserve export-hf: error: cannot write {args.out} ({e.strerror})", file=sys.stderr)
         return 2
     print(f"wrote {out} (load it with transformers.GPT2LMHeadModel.from_pretrained)")
+    if ckpt.tokenizer.kind != "bpe":
+        print(f"note: a {ckpt.tokenizer.kind}-level tokenizer has no Hugging Face equivalent; it is kept "
+              f"as {OUR_TOKENIZER} so `nanoserve import-hf` can read it back")
     return 0
 
 

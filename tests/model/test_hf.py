@@ -90,13 +90,13 @@ def test_export_then_import_is_lossless_for_a_char_checkpoint(tmp_path: Path) ->
         assert torch.equal(back.state_dict[name], t), name
 
 
-def _hf_directory(hf: Any, path: Path, vocab_size: int, **config: Any) -> Any:
+def _hf_directory(hf: Any, path: Path, vocab_size: int, **save: Any) -> Any:
     """A random small GPT-2 saved by transformers itself, as users' directories are."""
     torch.manual_seed(0)
-    cfg = hf.GPT2Config(vocab_size=vocab_size, n_positions=48, n_embd=32, n_layer=2, n_head=4, **config)
+    cfg = hf.GPT2Config(vocab_size=vocab_size, n_positions=48, n_embd=32, n_layer=2, n_head=4)
     model = hf.GPT2LMHeadModel(cfg).eval()
     _randomise(model, 3)
-    model.save_pretrained(str(path), safe_serialization=True)
+    model.save_pretrained(str(path), safe_serialization=True, **save)
     return model
 
 
@@ -127,6 +127,14 @@ def test_import_gpt2_directory_with_tokenizer_json(hf: Any, tmp_path: Path) -> N
     assert ckpt.dtype == "bfloat16" and ckpt.tokenizer.encode(TEXT) == tok.encode(TEXT)
     main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "fp32")])
     _check_imported(theirs, tmp_path / "fp32", 300)
+
+
+def test_import_sharded_gpt2_directory(hf: Any, tmp_path: Path) -> None:
+    theirs = _hf_directory(hf, tmp_path / "hf", 300, max_shard_size="20KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    train_tokenizer("bpe:300", TEXT * 10).save(tmp_path / "hf" / "tokenizer.json")
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    _check_imported(theirs, tmp_path / "ckpt", 300)
 
 
 def _forbid_unpickling(monkeypatch: pytest.MonkeyPatch) -> None:
