@@ -63,7 +63,7 @@ def test_loss_falls_for_every_tokenizer_kind(corpus: Path, tmp_path: Path, token
     history = _history(tmp_path / "out")
     chance = math.log(ckpt.config.vocab_size)  # the loss of a model that knows nothing
     assert history[-1]["train_loss"] < history[0]["train_loss"]
-    assert prov["best_val_loss"] < 0.7 * chance, (prov["best_val_loss"], chance, history)
+    assert prov["best_val_loss"] < 0.8 * chance, (prov["best_val_loss"], chance, history)
     assert prov["tokenizer"] == tokenizer and ckpt.tokenizer.kind == tokenizer.split(":")[0]
 
 
