@@ -1,0 +1,113 @@
+# nanoserve: an HTTP text-generation server for small GPT models, CPU torch by default.
+#
+# On this project's machines (no Docker engine, no image registry) build with podman:
+#   deploy/podman/build.sh            # builds the Debian base from packages first, then this file
+# On a Docker host with registry access:
+#   docker build --build-arg BASE_IMAGE=python:3.11-slim -t nanoserve .
+# GPU hosts: a CUDA build of torch instead of the CPU one (see docs/deploy.md):
+#   docker build --build-arg BASE_IMAGE=python:3.11-slim --build-arg TORCH_INDEX=<CUDA wheel index> -t nanoserve:cuda .
+#
+# Configuration is only through NANOSERVE_* environment variables (`nanoserve serve --help` lists them).
+
+# The base must provide python3 (3.11: the version of the local CPU torch wheel) with the venv module.
+# The default is built locally by deploy/podman/build-base.sh (debootstrap, Debian bookworm).
+ARG BASE_IMAGE=localhost/nanoserve-base:bookworm
+
+# ------------------------------------------------ requirements: the runtime dependency list only
+# Read from pyproject.toml in its own stage: the file changes often (tool settings, dev extras), the
+# list rarely, and the slow install below is cached on the list's content, not on the whole file.
+FROM ${BASE_IMAGE} AS requirements
+WORKDIR /src
+COPY pyproject.toml ./
+RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /requirements.txt
+
+# ------------------------------------------------ deps: a venv with torch and the dependencies
+FROM ${BASE_IMAGE} AS deps
+
+# TORCH_SPEC: which torch release. TORCH_INDEX (optional): an extra wheel index to take it from, e.g.
+# PyTorch's CPU or CUDA index; its local-version builds (2.13.0+cpu, +cu128) sort above PyPI's.
+# WHEELS_DIR: a folder of local wheels mounted at build time (podman build -v), used when present; on
+# this project's machines it holds torch 2.13.0+cpu, so no multi-GB CUDA download happens.
+ARG TORCH_SPEC=torch==2.13.0
+ARG TORCH_INDEX=""
+ARG WHEELS_DIR=/opt/wheels
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_DEFAULT_TIMEOUT=180 \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
+    PIP_FIND_LINKS=${WHEELS_DIR}
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+# hadolint ignore=DL3013  # pinned: TORCH_SPEC is an exact version (torch==X.Y.Z), hadolint cannot see through the arg
+RUN pip install ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} "$TORCH_SPEC" \
+    && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+COPY --from=requirements /requirements.txt /tmp/requirements.txt
+RUN pip install -r /tmp/requirements.txt
+
+# ------------------------------------------------ app: the project's own code, outside the venv
+# Installed into its own folder, so a code change rebuilds a small layer and never re-copies the
+# venv (about 1.2 GB with torch) into the runtime image.
+FROM deps AS app
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY model/ model/
+COPY service/ service/
+# setuptools came with torch, so no isolated build environment is downloaded.
+RUN pip install --no-deps --no-build-isolation --target /opt/app . \
+    && PYTHONPATH=/opt/app python -c "import model.gpt, service.cli"
+
+# ------------------------------------------------ assets: the default checkpoint and the health check
+# The checkpoint: config, weights, tokenizer, card (.dockerignore leaves out optimizer state). Made
+# world-readable here: a trainer may write its files 0600, and the server runs as non-root.
+FROM ${BASE_IMAGE} AS assets
+COPY checkpoints/shakespeare-char/ /opt/checkpoints/shakespeare-char/
+COPY deploy/image/healthcheck.py /opt/nanoserve/healthcheck.py
+RUN chmod -R a+rX /opt/checkpoints /opt/nanoserve
+
+# ------------------------------------------------ runtime: base + venv + checkpoint + code, nothing else
+FROM ${BASE_IMAGE}
+
+LABEL org.opencontainers.image.title="nanoserve" \
+      org.opencontainers.image.description="HTTP text-generation server for small GPT models" \
+      org.opencontainers.image.licenses="MIT"
+
+# A fixed numeric uid/gid, so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
+RUN groupadd --system --gid 10001 nanoserve \
+    && useradd --no-log-init --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin nanoserve
+
+# Slowest-changing first: the venv (torch), the checkpoint, then the code.
+COPY --from=deps /opt/venv /opt/venv
+COPY --from=assets /opt/checkpoints /opt/checkpoints
+COPY --from=assets /opt/nanoserve /opt/nanoserve
+COPY --from=app /opt/app /opt/app
+
+# Everything the process may write goes to /tmp, so the root file system can be read-only
+# (Kubernetes mounts an emptyDir there). Bytecode was compiled by pip at build time.
+ENV PATH=/opt/app/bin:/opt/venv/bin:$PATH \
+    PYTHONPATH=/opt/app \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/tmp \
+    TMPDIR=/tmp \
+    XDG_CACHE_HOME=/tmp/.cache \
+    MPLCONFIGDIR=/tmp/matplotlib \
+    NANOSERVE_HOST=0.0.0.0 \
+    NANOSERVE_PORT=8000 \
+    NANOSERVE_CHECKPOINT=/opt/checkpoints/shakespeare-char
+
+USER 10001:10001
+WORKDIR /tmp
+EXPOSE 8000
+
+# Ready = checkpoint loaded, warmed up and not draining. Plain Python: the image has no curl.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python3", "/opt/nanoserve/healthcheck.py"]
+
+# Exec form: the server is PID 1 and receives SIGTERM itself, then drains in-flight requests.
+ENTRYPOINT ["nanoserve"]
+CMD ["serve"]
