@@ -37,7 +37,11 @@ __all__ = ["LATENCY_BUCKETS", "Metrics", "arrival_time"]
 
 
 class Metrics:
-    """The registry, the instruments, and the hooks that feed them."""
+    """The registry, the instruments, and the hooks that feed them.
+
+    Without `registry`, a new one with the process and Python collectors; a registry passed in is
+    used as it is (nothing but nanoserve's own metrics is added to it).
+    """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         # No `*_created` series: they double the series count and the 0.0.4 text format has no
