@@ -33,12 +33,14 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([tool, *args], cwd=PROMETHEUS_DIR, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.system_tool
 def test_prometheus_config_and_its_rule_files_are_valid() -> None:
     result = promtool("check", "config", "prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 rule files found" in result.stdout + result.stderr
 
 
+@pytest.mark.system_tool
 def test_alert_rules_pass_their_unit_tests() -> None:
     result = promtool("test", "rules", "alerts_test.yml")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -290,6 +290,7 @@ async def test_http_requests_counted_by_route_template_and_status_and_in_flight_
     assert finished_by_reason(m, "/stream")["length"] == 1
 
 
+@pytest.mark.system_tool
 async def test_metrics_output_passes_promtool_check_metrics() -> None:
     promtool = require_tool("promtool", "Debian package prometheus")
     m = Metrics()
