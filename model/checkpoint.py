@@ -125,18 +125,24 @@ def save_checkpoint(
     return out
 
 
+def read_json_object(path: Path, error: type[ValueError] = CheckpointError) -> dict[str, Any]:
+    """Parse a JSON file that must hold an object; `error` names the file and the problem."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: must hold a JSON object")
+    return data
+
+
 def _read_manifest(path: Path) -> dict[str, Any]:
     config_path = path / CONFIG_FILE
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory not found")
     if not config_path.is_file():
         raise CheckpointError(f"{config_path}: missing (a checkpoint needs {CONFIG_FILE})")
-    try:
-        manifest = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
-    if not isinstance(manifest, dict):
-        raise CheckpointError(f"{config_path}: must hold a JSON object")
+    manifest = read_json_object(config_path)
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(

@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from model.checkpoint import Checkpoint, expected_tensors, save_checkpoint
+from model.checkpoint import Checkpoint, expected_tensors, read_json_object, save_checkpoint
 from model.config import GPTConfig
 from model.tokenizer import BPETokenizer, Tokenizer, tokenizer_from_json
 
@@ -163,12 +163,7 @@ def _read_hf_config(src: Path) -> GPTConfig:
     path = src / HF_CONFIG
     if not path.is_file():
         raise HFConversionError(f"{path}: missing (a Hugging Face model directory needs {HF_CONFIG})")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HFConversionError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise HFConversionError(f"{path}: must hold a JSON object")
+    raw = read_json_object(path, HFConversionError)
     model_type = raw.get("model_type")
     if model_type != "gpt2":
         raise HFConversionError(f"{path}: model_type is {model_type!r}; only 'gpt2' can be imported")

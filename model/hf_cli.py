@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from model.checkpoint import CheckpointError, load_checkpoint
@@ -25,44 +26,34 @@ def add_hf_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.set_defaults(func=run_import)
 
 
-def _refuse_existing_output(out: Path, command: str) -> bool:
-    """True (after printing the error) when `out` exists and is not an empty directory."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        print(f"nanoserve {command}: error: {out} already exists and is not an empty directory",
-              file=sys.stderr)
-        return True
-    return False
+def _convert(command: str, out: Path, action: Callable[[], Path]) -> Path | None:
+    """Run one conversion; on bad input print one error line and return None."""
+    try:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise HFConversionError(f"{out} already exists and is not an empty directory")
+        return action()
+    except (CheckpointError, HFConversionError) as e:
+        print(f"nanoserve {command}: error: {e}", file=sys.stderr)
+    except OSError as e:
+        print(f"nanoserve {command}: error: cannot write {out} ({e.strerror})", file=sys.stderr)
+    return None
 
 
 def run_export(args: argparse.Namespace) -> int:
-    if _refuse_existing_output(args.out, "export-hf"):
-        return 2
-    try:
-        ckpt = load_checkpoint(args.checkpoint)
-        out = export_hf(ckpt, args.out)
-    except (CheckpointError, HFConversionError) as e:
-        print(f"nanoserve export-hf: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"nanoserve export-hf: error: cannot write {args.out} ({e.strerror})", file=sys.stderr)
+    out = _convert("export-hf", args.out, lambda: export_hf(load_checkpoint(args.checkpoint), args.out))
+    if out is None:
         return 2
     print(f"wrote {out} (load it with transformers.GPT2LMHeadModel.from_pretrained)")
-    if ckpt.tokenizer.kind != "bpe":
-        print(f"note: a {ckpt.tokenizer.kind}-level tokenizer has no Hugging Face equivalent; it is kept "
-              f"as {OUR_TOKENIZER} so `nanoserve import-hf` can read it back")
+    if (out / OUR_TOKENIZER).is_file():
+        print(f"note: a char- or word-level tokenizer has no Hugging Face equivalent; it is kept as "
+              f"{OUR_TOKENIZER} so `nanoserve import-hf` can read it back")
     return 0
 
 
 def run_import(args: argparse.Namespace) -> int:
-    if _refuse_existing_output(args.out, "import-hf"):
-        return 2
-    try:
-        out = import_hf(args.hf_dir, args.out, name=args.name, dtype=args.dtype)
-    except HFConversionError as e:
-        print(f"nanoserve import-hf: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"nanoserve import-hf: error: cannot write {args.out} ({e.strerror})", file=sys.stderr)
+    out = _convert("import-hf", args.out,
+                   lambda: import_hf(args.hf_dir, args.out, name=args.name, dtype=args.dtype))
+    if out is None:
         return 2
     print(f"wrote checkpoint {out}")
     return 0
