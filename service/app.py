@@ -35,6 +35,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from model.checkpoint import Checkpoint, load_checkpoint
 from service.access_log import RequestContextMiddleware
+from service.api_docs import install_openapi
 from service.auth import require_api_key
 from service.deps import EngineDep, SettingsDep, get_engine, get_settings, server_version
 from service.engine.config import EngineConfig
@@ -142,7 +143,8 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
         description="Text generation for small GPT models: TGI-style native API and an "
         "OpenAI-compatible API, with SSE streaming.",
         lifespan=lifespan,
-        dependencies=[Depends(require_api_key)],
+        # Only with keys: without them the OpenAPI document must not claim a security scheme.
+        dependencies=[Depends(require_api_key)] if settings.api_keys else [],
     )
     app.state.settings = settings
     app.state.checkpoint = checkpoint
@@ -152,6 +154,7 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app.state.metrics = Metrics()
     install_error_handlers(app)
     _include_routers(app)
+    install_openapi(app)
     # add_middleware wraps: the last one added is the outermost.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(DrainGate, is_draining=app.state.lifecycle.is_draining)

@@ -9,11 +9,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from service.api_docs import sse_response_doc
 from service.deps import EngineDep, SettingsDep, server_version
 from service.engine.types import SamplingParams, TokenEvent, TopToken
 from service.errors import APIError
 from service.generation import Completed, check_limits, collect, encode, start_generation
-from service.schemas.common import GENERATION_ERRORS, error_responses, sse_response_doc
+from service.schemas.common import GENERATION_ERRORS, error_responses
 from service.schemas.native import (
     Details,
     GenerateParameters,
@@ -31,12 +32,15 @@ from service.sse import event_stream, sse_event
 
 router = APIRouter(tags=["native (TGI)"])
 
+_STREAM_DOC = sse_response_doc("One event per token; the last carries generated_text and details.",
+                               StreamResponse)
+# /generate and POST /: JSON, or with `stream: true` the same event stream as /generate_stream.
 _JSON_OR_SSE: dict[int | str, dict[str, Any]] = {
     200: {
-        "description": "A GenerateResponse, or with `stream: true` an SSE stream of StreamResponse events.",
+        "description": "A GenerateResponse, or with `stream: true` StreamResponse events.",
         "content": {
             "application/json": {"schema": {"$ref": "#/components/schemas/GenerateResponse"}},
-            "text/event-stream": {"schema": {"type": "string"}},
+            **_STREAM_DOC[200]["content"],
         },
     }
 }
@@ -146,7 +150,7 @@ async def generate(request: Request, engine: EngineDep, body: GenerateRequest) -
 @router.post(
     "/generate_stream",
     response_class=Response,
-    responses={**GENERATION_ERRORS, **sse_response_doc("One event per token.", StreamResponse)},
+    responses={**GENERATION_ERRORS, **_STREAM_DOC},
 )
 async def generate_stream(request: Request, engine: EngineDep, body: GenerateRequest) -> Response:
     """Stream tokens as server-sent events; the last event carries generated_text and details."""

@@ -46,17 +46,3 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 # What every generation route can answer besides 200.
 GENERATION_ERRORS = error_responses(401, 413, 415, 422, 429, 500, 503)
-
-
-def sse_response_doc(description: str, model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI for a 200 that is a text/event-stream of `model` events (JSON in each `data:`)."""
-    return {
-        200: {
-            "description": description,
-            "content": {
-                "text/event-stream": {
-                    "schema": {"type": "string", "description": f"SSE; each `data:` is a {model.__name__}."},
-                }
-            },
-        }
-    }
