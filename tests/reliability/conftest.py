@@ -1,40 +1,95 @@
-"""Servers the reliability tests share, so the suite pays for few start-ups.
+"""The servers the reliability tests share, started together so their start-ups overlap.
 
-`shared_server` is a plain server with fewer KV slots than the load test's streams and a short
-queue, so load both queues and overflows. Tests that need other settings (API keys, fault
-injection, a server to SIGTERM) start their own with the same harness (tests/service/server.py).
+- `shared`: fewer KV slots than the load test's streams and a short queue, so load both queues and
+  overflows; also takes the bad-input table, disconnects and the slow reader.
+- `secure`: API keys, one CORS origin and debug logging (so a leaked key would show); it also
+  has the engine's test-only fault injection "nan:" (prompts containing FAULT_MARKER get NaN
+  logits), which needs a server of its own and costs the security tests nothing.
+- `raise`: fault injection "raise:" (the forward pass raises when such a prompt is in the batch).
+- `drain`: gets SIGTERM under load.
+
+All run the real `nanoserve serve` through the HTTP tests' harness (tests/service/server.py).
 """
 
 from __future__ import annotations
 
+import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.service.server import ServerProcess, running_server
+from tests.service.server import ServerProcess, start_server, wait_ready
 
 SHARED_MAX_SEQS = 8
 SHARED_MAX_QUEUE = 16
+FAULT_MARKER = "POISON"
+API_KEYS = ("reliability-key-0123456789", "second-key-abcdefghij")
+ALLOWED_ORIGIN = "https://chat.example.org"
 # One intra-op thread: a tiny model gains nothing from two, and on a busy 2-core box two spinning
 # OpenMP threads per server made engine steps ~40x slower (7 ms -> 300 ms, measured).
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-SHARED_ENV = {
-    **ONE_THREAD,
-    "NANOSERVE_MAX_SEQS": str(SHARED_MAX_SEQS),
-    "NANOSERVE_MAX_QUEUE": str(SHARED_MAX_QUEUE),
-    "NANOSERVE_DRAIN_TIMEOUT": "5",
+
+# Start-up is a second or two on an idle machine; a busy shared box has taken over a minute.
+READY_TIMEOUT_S = 240.0
+FLEET = {
+    "shared": {"NANOSERVE_MAX_SEQS": str(SHARED_MAX_SEQS), "NANOSERVE_MAX_QUEUE": str(SHARED_MAX_QUEUE),
+               "NANOSERVE_DRAIN_TIMEOUT": "5"},
+    "secure": {"NANOSERVE_API_KEYS": ",".join(API_KEYS), "NANOSERVE_CORS_ORIGINS": ALLOWED_ORIGIN,
+               "NANOSERVE_LOG_LEVEL": "debug", "NANOSERVE_FAULT_INJECTION": f"nan:{FAULT_MARKER}",
+               "NANOSERVE_DETERMINISTIC": "1"},
+    "raise": {"NANOSERVE_FAULT_INJECTION": f"raise:{FAULT_MARKER}"},
+    "drain": {"NANOSERVE_DRAIN_TIMEOUT": "60", "NANOSERVE_MAX_SEQS": "8"},
 }
 
 
 @pytest.fixture(scope="session")
-def shared_server(tiny_checkpoint: Path) -> Iterator[ServerProcess]:
-    with running_server(tiny_checkpoint, env=SHARED_ENV) as server:
-        yield server
+def fleet(tiny_checkpoint: Path) -> Iterator[dict[str, ServerProcess]]:
+    servers = {name: start_server(tiny_checkpoint, env={**ONE_THREAD, **env}) for name, env in FLEET.items()}
+    try:
+        for server in servers.values():
+            wait_ready(server, timeout=READY_TIMEOUT_S)
+        yield servers
+    finally:
+        stop_all(list(servers.values()))
+
+
+def stop_all(servers: list[ServerProcess]) -> None:
+    """SIGTERM every server at once, then wait for each (SIGKILL after 20 s)."""
+    running = [s for s in servers if s.process.poll() is None]
+    for s in running:
+        s.process.send_signal(signal.SIGTERM)
+    for s in running:
+        try:
+            s.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            s.process.kill()
+            s.process.wait(timeout=10)
+    for s in servers:
+        s.log_path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def shared_server(fleet: dict[str, ServerProcess]) -> ServerProcess:
+    return fleet["shared"]
+
+
+@pytest.fixture(scope="session")
+def secure_server(fleet: dict[str, ServerProcess]) -> ServerProcess:
+    return fleet["secure"]
 
 
 @pytest.fixture
 def client(shared_server: ServerProcess) -> Iterator[httpx.Client]:
+    """A client of the shared server (no keys, no CORS)."""
     with httpx.Client(base_url=shared_server.base_url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def sclient(secure_server: ServerProcess) -> Iterator[httpx.Client]:
+    """A client of the secure server (sends no key by itself)."""
+    with httpx.Client(base_url=secure_server.base_url, timeout=60) as c:
         yield c

@@ -1,0 +1,182 @@
+"""Faults while serving: mass disconnects, slow readers, engine failures, SIGTERM under load.
+
+The engine failures use the engine's test-only hook (`NANOSERVE_FAULT_INJECTION`): requests whose
+prompt contains the marker get NaN logits ("nan:") or make the forward pass raise ("raise:").
+The servers come from the `fleet` fixture (tests/reliability/conftest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+
+from bench.load import LoadConfig, LoadReport, RequestResult, run_load
+from tests.reliability.conftest import API_KEYS
+from tests.reliability.conftest import FAULT_MARKER as MARKER
+from tests.reliability.observe import scrape, total, wait_until
+from tests.service.server import ServerProcess
+
+
+def load(url: str, n: int, **kw: object) -> LoadReport:
+    defaults: dict[str, object] = {"concurrency": n, "requests": n, "prompt": "Hello there",
+                                   "max_new_tokens": 24, "seed": 7, "timeout_s": 60}
+    return asyncio.run(run_load(LoadConfig(url=url, **{**defaults, **kw})))  # type: ignore[arg-type]
+
+
+def assert_complete(results: list[RequestResult], tokens: int) -> None:
+    for r in results:
+        assert r.kind == "ok" and not r.malformed, r
+        assert r.tokens == r.details_tokens == tokens and r.final_text == r.text, r
+
+
+def engine_idle(url: str) -> bool:
+    s = scrape(url)
+    return total(s, "nanoserve_running_sequences") == 0 and total(s, "nanoserve_kv_slots_in_use") == 0
+
+
+# ---- disconnects and slow readers (the shared server: 8 slots) --------------------------------
+
+def test_mass_disconnect_frees_slots_and_spares_the_others(shared_server: ServerProcess) -> None:
+    url = shared_server.base_url
+    before = scrape(url)
+    victims, survivors, long = 6, 2, 2000
+
+    async def both() -> tuple[LoadReport, LoadReport]:
+        gone = run_load(LoadConfig(url=url, concurrency=victims, requests=victims, prompt="Hello there",
+                                   max_new_tokens=long, seed=100, disconnect_after=3, timeout_s=60))
+        kept = run_load(LoadConfig(url=url, concurrency=survivors, requests=survivors,
+                                   prompt="Hello there", max_new_tokens=24, seed=200, timeout_s=60))
+        return await asyncio.gather(gone, kept)
+
+    gone, kept = asyncio.run(both())
+    assert [r.kind for r in gone.results] == ["disconnected"] * victims
+    assert_complete(kept.results, 24)
+    freed_in = wait_until(lambda: engine_idle(url), timeout_s=10)
+    after = scrape(url)
+    def delta(name: str) -> float:
+        return total(after, name) - total(before, name)
+
+    assert delta("nanoserve_requests_cancelled_total") == victims
+    # Rows the engine ran: had the victims kept their slots they would have cost victims * long.
+    rows = delta("nanoserve_engine_batch_size_sum")
+    assert rows < victims * long / 10, f"{rows} rows run: the disconnected requests kept generating"
+    print(f"disconnect: {victims} slots freed {freed_in:.3f}s after the survivors finished; "
+          f"{rows:.0f} rows run")
+
+
+class SlowReader:
+    """A raw-socket client with a tiny receive buffer that reads a few bytes now and then."""
+
+    def __init__(self, port: int, body: bytes) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.sock.connect(("127.0.0.1", port))
+        self.sock.sendall(
+            b"POST /generate_stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        )
+        self.received = b""
+
+    def nibble(self, n: int = 256) -> None:
+        self.sock.settimeout(5)
+        self.received += self.sock.recv(n)
+
+    @property
+    def finished(self) -> bool:
+        return b'"generated_text":"' in self.received or b"event: error" in self.received
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_slow_reader_does_not_stall_the_others(shared_server: ServerProcess) -> None:
+    url = shared_server.base_url
+    body = b'{"inputs": "Hello", "parameters": {"max_new_tokens": 3000, "top_n_tokens": 5, "details": true}}'
+    slow = SlowReader(shared_server.port, body)
+    try:
+        slow.nibble()
+        assert slow.received.startswith(b"HTTP/1.1 200"), slow.received[:200]
+        started = time.monotonic()
+        report = load(url, 4, requests=8)  # while the slow reader has read almost nothing
+        others_s = time.monotonic() - started
+        assert_complete(report.results, 24)
+        slow.nibble()
+        assert not slow.finished, "the slow reader got to the end: the test did not make it lag"
+        print(f"slow reader: 8 other requests finished in {others_s:.2f}s while it had read "
+              f"{len(slow.received)} bytes")
+    finally:
+        slow.close()
+    # Its disconnect frees the slot even though its writer was blocked on a full socket.
+    wait_until(lambda: engine_idle(url), timeout_s=15)
+
+
+# ---- engine faults -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("server", ["secure", "raise"])  # "secure" has nan:, "raise" has raise:
+def test_engine_fault_ends_one_request_with_an_error_event(
+    server: str, fleet: dict[str, ServerProcess]
+) -> None:
+    url = fleet[server].base_url
+    key = API_KEYS[0] if server == "secure" else None
+
+    async def batch() -> tuple[LoadReport, LoadReport]:
+        poisoned = run_load(LoadConfig(url=url, concurrency=1, requests=1, prompt=f"Hi {MARKER}!",
+                                       max_new_tokens=24, seed=1, timeout_s=60, api_key=key))
+        mates = run_load(LoadConfig(url=url, concurrency=3, requests=3, prompt="Hello there",
+                                    max_new_tokens=24, seed=50, timeout_s=60, api_key=key))
+        return await asyncio.gather(poisoned, mates)
+
+    poisoned, mates = asyncio.run(batch())
+    bad = poisoned.results[0]
+    assert bad.kind == "error_event" and bad.error, bad
+    assert_complete(mates.results, 24)
+    # Batch-mates produced exactly what they produce alone (same seeds, nothing poisoned around).
+    alone = load(url, 1, requests=3, seed=50, api_key=key)
+    assert [r.text for r in alone.results] == [r.text for r in mates.results]
+    assert httpx.get(f"{url}/ready", timeout=10).status_code == 200
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    errors = total(scrape(url), "nanoserve_requests_finished_total", finish_reason="error")
+    assert errors == 1
+    wait_until(lambda: engine_idle(url), timeout_s=10)
+
+
+# ---- SIGTERM under load ------------------------------------------------------------------------
+
+def test_sigterm_under_load_drains_then_exits_zero(fleet: dict[str, ServerProcess]) -> None:
+    server = fleet["drain"]
+    url, in_flight, tokens, drain_timeout = server.base_url, 6, 200, 60.0
+
+    async def scenario() -> tuple[LoadReport, list[int], float]:
+        task = asyncio.ensure_future(run_load(LoadConfig(
+            url=url, concurrency=in_flight, requests=in_flight, prompt="Hello there",
+            max_new_tokens=tokens, seed=9, timeout_s=120)))
+        await asyncio.to_thread(wait_until, lambda: total(scrape(url), "nanoserve_running_sequences")
+                                == in_flight, 30)
+        server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+            await asyncio.to_thread(wait_until, lambda: httpx.get(f"{url}/ready").status_code == 503, 10)
+            refused = [(await c.post("/generate", json={"inputs": "Hi"})).status_code for _ in range(3)]
+            refused.append((await c.post("/generate_stream", json={"inputs": "Hi"})).status_code)
+        return await task, refused, signalled
+
+    report, refused, signalled = asyncio.run(scenario())
+    assert not task_running_after_exit(server, signalled, drain_timeout)
+    assert refused == [503] * 4
+    assert_complete(report.results, tokens)  # every in-flight stream ran to its end
+    assert server.process.returncode == 0, server.logs()
+
+
+def task_running_after_exit(server: ServerProcess, signalled: float, drain_timeout: float) -> bool:
+    """Wait for the exit; True when the process outlived the drain timeout (+5 s to flush)."""
+    try:
+        server.wait(max(0.0, signalled + drain_timeout + 5 - time.monotonic()))
+    except Exception:
+        return True
+    print(f"SIGTERM: exited {time.monotonic() - signalled:.2f}s after the signal")
+    return False
