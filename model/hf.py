@@ -218,7 +218,7 @@ def _read_hf_tokenizer(src: Path) -> Tokenizer:
 def _read_hf_weights(src: Path) -> tuple[dict[str, torch.Tensor], str]:
     single, index = src / HF_WEIGHTS, src / HF_INDEX
     if single.is_file():
-        return _load_safetensors(single), HF_WEIGHTS
+        return _load_safetensors(single), str(single)
     if index.is_file():
         try:
             shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
@@ -229,7 +229,7 @@ def _read_hf_weights(src: Path) -> tuple[dict[str, torch.Tensor], str]:
             if Path(shard).name != shard:
                 raise HFConversionError(f"{index}: shard name {shard!r} must be a plain file name")
             tensors.update(_load_safetensors(src / shard))
-        return tensors, f"{HF_INDEX} ({len(shards)} shards)"
+        return tensors, f"{index} ({len(shards)} shards)"
     pickles = [p for p in _PICKLES if (src / p).exists()]
     hint = f"; found {', '.join(pickles)}, which is never loaded (pickle/other format): " \
            "convert it to safetensors first" if pickles else ""
@@ -304,8 +304,7 @@ def _import_card(name: str, provenance: dict[str, Any], config: GPTConfig) -> st
         "",
         "GPT-2 weights imported from a Hugging Face directory by `nanoserve import-hf`.",
         "",
-        f"- source: `{provenance['imported_from']}` ({provenance['source_weights']}, "
-        f"sha256 `{provenance['source_weights_sha256']}`)",
+        f"- source: `{provenance['source_weights']}` (sha256 `{provenance['source_weights_sha256']}`)",
         f"- layers {config.n_layer}, heads {config.n_head}, width {config.n_embd}, "
         f"context {config.block_size}, vocabulary {config.vocab_size}",
         "",
