@@ -40,6 +40,7 @@ class LoadConfig:
     requests: int | None = 64  # total requests; None: run until `duration_s`
     duration_s: float | None = None  # stop starting new requests after this long
     route: str = "generate_stream"  # or "chat" (OpenAI /v1/chat/completions, stream=true)
+    model: str | None = None  # chat route: the `model` field (None: the server's only model)
     prompt: str = "ROMEO:"
     max_new_tokens: int = 32
     temperature: float = 1.0
@@ -89,7 +90,9 @@ class LoadReport:
 
     def summary(self) -> dict[str, Any]:
         ok = [r for r in self.results if r.kind == "ok"]
-        tokens = sum(r.tokens for r in self.results)
+        # Generated tokens as the server counted them where it said (a chat delta may hold more
+        # than one token, e.g. text held back while it could still become a stop string).
+        tokens = sum(r.details_tokens if r.details_tokens is not None else r.tokens for r in self.results)
         itls = [gap for r in self.results for gap in r.itl_s]
         return {
             "url": self.config.url,
@@ -98,7 +101,7 @@ class LoadReport:
             "requests": len(self.results),
             "wall_s": round(self.wall_s, 3),
             "completed_per_s": round(len(ok) / self.wall_s, 3) if self.wall_s else 0.0,
-            "tokens_received": tokens,
+            "tokens_generated": tokens,
             "tokens_per_s": round(tokens / self.wall_s, 2) if self.wall_s else 0.0,
             "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
             "itl_s": percentiles(itls),
@@ -121,7 +124,6 @@ def build_request(config: LoadConfig, index: int) -> tuple[str, dict[str, Any]]:
     seed = None if config.seed is None else config.seed + index
     if config.route == "chat":
         body: dict[str, Any] = {
-            "model": "nanoserve",
             "messages": [{"role": "user", "content": config.prompt}],
             "max_tokens": config.max_new_tokens,
             "temperature": config.temperature,
@@ -130,6 +132,8 @@ def build_request(config: LoadConfig, index: int) -> tuple[str, dict[str, Any]]:
         }
         if seed is not None:
             body["seed"] = seed
+        if config.model is not None:
+            body["model"] = config.model
         return ROUTES["chat"], body
     params: dict[str, Any] = {"max_new_tokens": config.max_new_tokens, "details": True}
     if config.temperature > 0:
@@ -327,7 +331,7 @@ def format_report(summary: dict[str, Any]) -> str:
         f"{summary['requests']} requests to {summary['url']} ({summary['route']}, "
         f"concurrency {summary['concurrency']}) in {summary['wall_s']:.2f}s",
         f"  completed/s   {summary['completed_per_s']:.2f}",
-        f"  tokens/s      {summary['tokens_per_s']:.1f} ({summary['tokens_received']} tokens)",
+        f"  tokens/s      {summary['tokens_per_s']:.1f} ({summary['tokens_generated']} tokens)",
         f"  TTFT          {ms(summary['ttft_s'])}",
         f"  inter-token   {ms(summary['itl_s'])}",
         f"  end-to-end    {ms(summary['e2e_s'])}",
@@ -346,6 +350,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[LoadConfig, argparse.Name
                    help="total requests (default 64 without --duration)")
     p.add_argument("--duration", type=float, default=None, help="seconds to keep starting requests")
     p.add_argument("--route", choices=sorted(ROUTES), default="generate_stream")
+    p.add_argument("--model", default=None, help="chat route: the model id to send")
     p.add_argument("--prompt", default="ROMEO:")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -358,7 +363,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[LoadConfig, argparse.Name
     config = LoadConfig(
         url=a.url, concurrency=a.concurrency,
         requests=a.requests if a.requests is not None or a.duration is not None else 64,
-        duration_s=a.duration, route=a.route, prompt=a.prompt, max_new_tokens=a.max_new_tokens,
+        duration_s=a.duration, route=a.route, model=a.model, prompt=a.prompt,
+        max_new_tokens=a.max_new_tokens,
         temperature=a.temperature, seed=a.seed, api_key=a.api_key, timeout_s=a.timeout,
     )
     return config, a

@@ -93,3 +93,14 @@ def test_64_streams_nothing_lost_and_no_leak(shared_server: ServerProcess) -> No
         print(f"run: {outcomes}, RSS {rss[-1] / 2**20:.1f} MiB, {report.summary()}")
     growth = rss[1] - rss[0]
     assert growth < RSS_GROWTH_BOUND, f"RSS grew {growth / 2**20:.1f} MiB between identical runs"
+
+
+def test_chat_route_streams_complete(shared_server: ServerProcess) -> None:
+    """The load tool's OpenAI route against the real server: every stream ends with [DONE]."""
+    config = LoadConfig(url=shared_server.base_url, route="chat", concurrency=4, requests=8,
+                        prompt="Hello there", max_new_tokens=16, seed=5, timeout_s=60)
+    report = asyncio.run(run_load(config))
+    for r in report.results:
+        assert r.kind == "ok" and not r.malformed, r
+        # usage.completion_tokens; a delta can carry two tokens when one was held back.
+        assert r.details_tokens == 16 and 0 < r.tokens <= 16 and r.finish_reason == "length", r
