@@ -34,6 +34,13 @@ class LayerKVCache(nn.Module):
         slot_idx: (B,) slot of each batch row; input_pos: (B, T) position of each new token;
         k, v: (B, nh, T, hs). Returns k, v of shape (B, nh, window, hs).
         """
+        self.write(slot_idx, input_pos, k, v)
+        return self.k.index_select(0, slot_idx), self.v.index_select(0, slot_idx)
+
+    def write(
+        self, slot_idx: torch.Tensor, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store new keys/values (B, nh, T, hs) at each row's slot and positions."""
         b, nh, t, _ = k.shape
         # Scatter each row's T new entries at its own positions: index_put with (slot, head, pos).
         rows = slot_idx.view(b, 1, 1).expand(b, nh, t)
@@ -41,7 +48,6 @@ class LayerKVCache(nn.Module):
         pos = input_pos.view(b, 1, t).expand(b, nh, t)
         self.k.index_put_((rows, heads, pos), k.to(self.k.dtype))
         self.v.index_put_((rows, heads, pos), v.to(self.v.dtype))
-        return self.k.index_select(0, slot_idx), self.v.index_select(0, slot_idx)
 
 
 class KVCache(nn.Module):

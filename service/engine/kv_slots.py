@@ -37,13 +37,8 @@ class SpanLayerCache(LayerKVCache):
     def update(
         self, slot_idx: torch.Tensor, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        b, nh, t, _ = k.shape
-        rows = slot_idx.view(b, 1, 1).expand(b, nh, t)
-        heads = torch.arange(nh, device=k.device).view(1, nh, 1).expand(b, nh, t)
-        pos = input_pos.view(b, 1, t).expand(b, nh, t)
-        self.k.index_put_((rows, heads, pos), k.to(self.k.dtype))
-        self.v.index_put_((rows, heads, pos), v.to(self.v.dtype))
-        n, first = self.span.length, self.span.first_slot
+        self.write(slot_idx, input_pos, k, v)
+        b, n, first = k.shape[0], self.span.length, self.span.first_slot
         if first is not None:
             return self.k[first : first + b, :, :n], self.v[first : first + b, :, :n]
         return self.k[:, :, :n].index_select(0, slot_idx), self.v[:, :, :n].index_select(0, slot_idx)
