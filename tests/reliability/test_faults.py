@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from bench.load import LoadConfig, LoadReport, RequestResult, run_load
-from tests.reliability.conftest import API_KEYS
+from tests.reliability.conftest import API_KEYS, SHARED_MAX_SEQS
 from tests.reliability.conftest import FAULT_MARKER as MARKER
 from tests.reliability.observe import scrape, total, wait_until
 from tests.service.server import ServerProcess
@@ -67,6 +67,36 @@ def test_mass_disconnect_frees_slots_and_spares_the_others(shared_server: Server
     assert rows < victims * long / 10, f"{rows} rows run: the disconnected requests kept generating"
     print(f"disconnect: {victims} slots freed {freed_in:.3f}s after the survivors finished; "
           f"{rows:.0f} rows run")
+
+
+def test_clients_leaving_the_queue_are_dropped_from_it(shared_server: ServerProcess) -> None:
+    """Requests still waiting for a slot (200 sent, only keep-alives so far) are removed when their
+    clients disconnect, while the running ones carry on."""
+    url, slots, queued = shared_server.base_url, SHARED_MAX_SEQS, 6
+
+    def gauge(name: str) -> float:
+        return total(scrape(url), name)
+
+    async def scenario() -> None:
+        body = {"inputs": "Hello", "parameters": {"max_new_tokens": 3000}}
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            holders = [c.stream("POST", "/generate_stream", json=body) for _ in range(slots)]
+            for h in holders:
+                await h.__aenter__()
+            await asyncio.to_thread(wait_until, lambda: gauge("nanoserve_running_sequences") == slots, 30)
+            waiters = [c.stream("POST", "/generate_stream", json=body) for _ in range(queued)]
+            for w in waiters:
+                assert (await w.__aenter__()).status_code == 200
+            await asyncio.to_thread(wait_until, lambda: gauge("nanoserve_waiting_requests") == queued, 30)
+            for w in waiters:
+                await w.__aexit__(None, None, None)
+            await asyncio.to_thread(wait_until, lambda: gauge("nanoserve_waiting_requests") == 0, 10)
+            assert gauge("nanoserve_running_sequences") == slots  # the holders were not touched
+            for h in holders:
+                await h.__aexit__(None, None, None)
+
+    asyncio.run(scenario())
+    wait_until(lambda: engine_idle(url), timeout_s=10)
 
 
 class SlowReader:
