@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
 
 from service.engine.types import EngineError, InvalidRequest, NotReady, Overloaded
 
@@ -129,6 +130,16 @@ def validation_error(exc: RequestValidationError, request: Request) -> JSONRespo
     )
 
 
+def _allowed_methods(request: Request) -> str:
+    """Every method any route serves at this path. Starlette's own `Allow` names only the first
+    route's, which is wrong where two routers share a path (GET / is the chat page, POST / TGI's)."""
+    methods: set[str] = set()
+    for template, operations in request.app.openapi().get("paths", {}).items():
+        if compile_path(template)[0].match(request.url.path):
+            methods.update(m.upper() for m in operations)
+    return ", ".join(sorted(methods))
+
+
 def _with_request_id(request: Request, headers: Mapping[str, str] | None) -> dict[str, str]:
     out = dict(headers or {})
     request_id = getattr(request.state, "request_id", None)
@@ -155,8 +166,11 @@ def install_error_handlers(app: FastAPI) -> None:
                 400, f"the request body is not valid UTF-8 (byte {cause.start}: {cause.reason})",
                 code="invalid_utf8",
             )
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = _allowed_methods(request) or headers.get("Allow", "")
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, f"http_{exc.status_code}")
-        return error_response(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
+        return error_response(exc.status_code, str(exc.detail), code=code, headers=headers)
 
     async def on_engine(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, EngineError)

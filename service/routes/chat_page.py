@@ -32,7 +32,8 @@ SECURITY_HEADERS = {
 router = APIRouter(tags=["chat page"])
 
 
-@router.get("/", include_in_schema=False)
+@router.get("/", response_class=FileResponse,
+            responses={200: {"description": "The chat page.", "content": {"text/html": {}}}})
 async def chat_page() -> FileResponse:
     """The chat page (HTML)."""
     return FileResponse(STATIC_DIR / "chat.html", media_type="text/html; charset=utf-8",
