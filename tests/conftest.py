@@ -35,7 +35,9 @@ def require_module(name: str) -> None:
 TINY_VOCAB_TEXT = "".join(chr(c) for c in range(32, 127)) + "\n"
 
 
-def make_tiny_checkpoint(path, *, block_size: int = 64, seed: int = 0, n_layer: int = 2, n_embd: int = 32):  # type: ignore[no-untyped-def]
+def make_tiny_checkpoint(  # type: ignore[no-untyped-def]
+    path, *, block_size: int = 64, seed: int = 0, n_layer: int = 2, n_embd: int = 32
+):
     """A random-weight char-level checkpoint: fast to build, fixed by its seed."""
     import torch
 
@@ -46,9 +48,13 @@ def make_tiny_checkpoint(path, *, block_size: int = 64, seed: int = 0, n_layer: 
 
     tok = CharTokenizer.train(TINY_VOCAB_TEXT)
     torch.manual_seed(seed)
-    config = GPTConfig(vocab_size=tok.vocab_size, block_size=block_size, n_layer=n_layer, n_head=2, n_embd=n_embd)
+    config = GPTConfig(
+        vocab_size=tok.vocab_size, block_size=block_size, n_layer=n_layer, n_head=2, n_embd=n_embd
+    )
     model = GPT(config)
-    return save_checkpoint(path, model, tok, name="tiny-test", provenance={"note": "random weights for tests"})
+    return save_checkpoint(
+        path, model, tok, name="tiny-test", provenance={"note": "random weights for tests"}
+    )
 
 
 @pytest.fixture(scope="session")
