@@ -197,8 +197,11 @@ class _StreamState:
         except json.JSONDecodeError:
             r.malformed.append(f"data is not JSON: {data[:80]!r}")
             return False
-        if event == "error" or (isinstance(payload, dict) and "error" in payload):
-            err = payload.get("error") if isinstance(payload, dict) else payload
+        if not isinstance(payload, dict):
+            r.malformed.append(f"data is not a JSON object: {data[:80]!r}")
+            payload = {"error": payload} if event == "error" else {}
+        if event == "error" or "error" in payload:
+            err = payload.get("error")
             r.kind = "error_event"
             r.error = str(err.get("message", err) if isinstance(err, dict) else err)
             return True
@@ -207,7 +210,7 @@ class _StreamState:
     def _on_tgi(self, payload: dict[str, Any]) -> bool:
         r = self.result
         token = payload.get("token")
-        if token is not None:
+        if isinstance(token, dict):
             index = payload.get("index")
             if self.last_index is not None and index != self.last_index + 1:
                 r.malformed.append(f"token index {index} after {self.last_index}")
