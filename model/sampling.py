@@ -118,7 +118,7 @@ class SamplingBatch:
     temperature: torch.Tensor  # (N, 1); 0 = greedy
     greedy: torch.Tensor  # (N,) bool
     uniform: torch.Tensor  # (N,) float64 in [0, 1)
-    top_k: torch.Tensor | None = None  # (N, 1) long
+    top_k: torch.Tensor | None = None  # (N, 1) long; greedy rows may say 1 (their k is unused)
     top_k_max: int = 0
     top_p: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
@@ -129,24 +129,26 @@ class SamplingBatch:
     all_greedy: bool = False
 
 
-def process_logits(
+def apply_penalties(
     logits: torch.Tensor,
     batch: SamplingBatch,
     seen: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Penalties, temperature, then top-k, top-p, min-p, typical-p (HF's order). (N, V) float32."""
+    """Repetition, then frequency/presence penalties (rows with neutral values unchanged)."""
     logits = logits.float()
     if batch.repetition_penalty is not None and seen is not None:
         logits = apply_repetition_penalty(logits, seen, batch.repetition_penalty)
     if batch.frequency_penalty is not None and batch.presence_penalty is not None and counts is not None:
         logits = apply_additive_penalties(logits, counts, batch.frequency_penalty, batch.presence_penalty)
-    if batch.all_greedy:
-        return logits
-    # Greedy rows divide by 1: their argmax is taken from the penalised logits below anyway.
+    return logits
+
+
+def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, then top-k, top-p, min-p, typical-p (HF's order) on (N, V') logits."""
     logits = logits / torch.where(batch.temperature > 0, batch.temperature, 1.0)
     if batch.top_k is not None:
-        logits = top_k_mask(logits, batch.top_k, batch.top_k_max)
+        logits = top_k_mask(logits, batch.top_k, min(batch.top_k_max, logits.shape[-1]))
     if batch.top_p is not None:
         logits = top_p_mask(logits, batch.top_p)
     if batch.min_p is not None:
@@ -156,12 +158,42 @@ def process_logits(
     return logits
 
 
-def choose_tokens(processed: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Greedy rows take the argmax, the others sample with their own uniform. Returns (N,) long."""
-    greedy = processed.argmax(dim=-1)
+def process_logits(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    seen: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Penalties then every filter over the full vocabulary: the straightforward path."""
+    logits = apply_penalties(logits, batch, seen, counts)
+    return logits if batch.all_greedy else apply_filters(logits, batch)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    seen: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One token per row (N,): greedy rows take the argmax, the others sample.
+
+    When every sampling row has a small top_k, the filters run on the top_k_max candidates only
+    (no softmax or sort over the full vocabulary). The candidates are put back in vocabulary
+    order, so inverse-CDF sampling picks exactly the token the full-vocabulary path would (masked
+    tokens add nothing to the CDF): a row's result does not depend on which path its batch took.
+    """
+    logits = apply_penalties(logits, batch, seen, counts)
+    greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy
-    sampled = sample_from_logits(processed, batch.uniform)
+    vocab = logits.shape[-1]
+    if batch.top_k is not None and batch.top_k_max * 4 <= vocab:
+        values, ids = torch.topk(logits, batch.top_k_max, dim=-1)  # (N, K)
+        ids, order = ids.sort(dim=-1)
+        filtered = apply_filters(values.gather(-1, order), batch)
+        sampled = ids.gather(-1, sample_from_logits(filtered, batch.uniform).view(-1, 1)).view(-1)
+    else:
+        sampled = sample_from_logits(apply_filters(logits, batch), batch.uniform)
     return torch.where(batch.greedy, greedy, sampled)
 
 

@@ -12,13 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from model.gpt import GPT
-from model.sampling import (
-    SamplingBatch,
-    choose_tokens,
-    process_logits,
-    seeded_uniform,
-    token_logprobs,
-)
+from model.sampling import SamplingBatch, sample_tokens, seeded_uniform, token_logprobs
 from service.engine.kv_slots import SpanKVCache
 from service.engine.request import Request
 
@@ -153,12 +147,11 @@ class ModelRunner:
         batch = self._batch(reqs)
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
         penal = batch.repetition_penalty is not None or batch.frequency_penalty is not None
-        processed = process_logits(
+        tokens = sample_tokens(
             logits, batch,
             seen=self.seen.index_select(0, slots) if penal else None,
             counts=self.counts.index_select(0, slots) if penal else None,
         )
-        tokens = choose_tokens(processed, batch)
         self._record(reqs, tokens)
         top_n = max(r.params.top_n_tokens for r in reqs)
         want_lp = top_n > 0 or any(r.params.logprobs for r in reqs)
@@ -190,7 +183,8 @@ class ModelRunner:
             ),
             all_greedy=all(t == 0 for t in temps),
         )
-        ks = [p.top_k if p.top_k else self.vocab for p in ps]
+        # Greedy rows ignore top_k: k = 1 lets an all-top-k batch take the candidates-only path.
+        ks = [1 if p.temperature == 0 else (p.top_k or self.vocab) for p in ps]
         if any(k < self.vocab for k in ks):
             batch.top_k = torch.tensor(ks, dtype=torch.long, device=dev).view(-1, 1).clamp(1, self.vocab)
             batch.top_k_max = min(max(ks), self.vocab)

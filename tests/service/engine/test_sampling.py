@@ -11,10 +11,13 @@ import torch
 
 from model.checkpoint import Checkpoint
 from model.sampling import (
+    SamplingBatch,
     apply_additive_penalties,
     apply_repetition_penalty,
     min_p_mask,
+    process_logits,
     sample_from_logits,
+    sample_tokens,
     seeded_uniform,
     top_k_mask,
     top_p_mask,
@@ -147,6 +150,30 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_skips_masked() -> Non
     assert seeded_uniform(1, 5) == seeded_uniform(1, 5) != seeded_uniform(2, 5)
 
 
+def test_top_k_candidates_path_picks_what_the_full_vocabulary_path_picks() -> None:
+    n, v = 64, 400
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(n, v, generator=g) * 4
+
+    def col(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values).view(-1, 1)
+
+    ks = [int(k) for k in torch.randint(1, 60, (n,), generator=g)]
+    batch = SamplingBatch(
+        temperature=col([0.5 + (i % 5) / 4 for i in range(n)]),
+        greedy=torch.zeros(n, dtype=torch.bool),
+        uniform=torch.tensor([seeded_uniform(11, i) for i in range(n)], dtype=torch.float64),
+        top_k=torch.tensor(ks).view(-1, 1),
+        top_k_max=max(ks),
+        top_p=col([0.5 + (i % 4) / 8 for i in range(n)]),
+        min_p=col([(i % 3) / 20 for i in range(n)]),
+    )
+    fast = sample_tokens(logits, batch)  # max(k) * 4 <= V: candidates only
+    full = sample_from_logits(process_logits(logits, batch), batch.uniform)
+    assert torch.equal(fast, full)
+    assert len(set(fast.tolist())) > 20
+
+
 async def test_seeded_sampling_same_alone_and_batched(make_engine: EngineFactory, lively: Checkpoint) -> None:
     params = dict(max_new_tokens=50, temperature=1.2, top_k=30, top_p=0.95, seed=1234, stop_on_eos=False)
     engine = make_engine(max_seqs=8)
@@ -162,3 +189,23 @@ async def test_seeded_sampling_same_alone_and_batched(make_engine: EngineFactory
     assert len(set(alone)) > 5  # really sampled, not a constant
     other = token_ids(await collect(engine, "Hello there", **{**params, "seed": 99}))
     assert other != alone
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+async def test_logprobs_alone_vs_batched(make_engine: EngineFactory, deterministic: bool) -> None:
+    """Deterministic mode computes every row alone: bit-identical logprobs whatever the batch.
+    The default batched mode gives the same tokens (asserted above) with logprobs equal to
+    float rounding."""
+    engine = make_engine(max_seqs=6, deterministic=deterministic)
+    params = dict(max_new_tokens=30, temperature=1.0, seed=5, logprobs=True, stop_on_eos=False)
+    alone = await collect(engine, "Hello there", **params)
+    mates = [collect(engine, p, max_new_tokens=40, temperature=0.8, seed=1, stop_on_eos=False)
+             for p in ("abc", "x" * 40, "q r s", "Z")]
+    batched, *_ = await asyncio.gather(collect(engine, "Hello there", **params), *mates)
+    assert token_ids(batched) == token_ids(alone)
+    a = [e.logprob for e in alone if e.logprob is not None]
+    b = [e.logprob for e in batched if e.logprob is not None]
+    if deterministic:
+        assert a == b
+    else:
+        assert a == pytest.approx(b, abs=1e-4)
