@@ -111,9 +111,13 @@ async def encode(engine: Engine, text: str, param: str = "inputs") -> list[int]:
 
 async def _recorded(events: AsyncIterator[TokenEvent], request: Request) -> AsyncIterator[TokenEvent]:
     record = record_of(request)
-    async for event in events:
-        record.observe(event)
-        yield event
+    try:
+        async for event in events:
+            record.observe(event)
+            yield event
+    finally:
+        if record.finish_reason is None:  # closed before its last event: the client went away
+            record.finish_reason = FinishReason.CANCELLED.value
 
 
 async def _wait_for_disconnect(request: Request) -> None:
