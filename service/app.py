@@ -72,7 +72,6 @@ class Lifecycle:
 
     def __init__(self) -> None:
         self.draining = False
-        self.drained = asyncio.Event()
 
     def is_draining(self) -> bool:
         return self.draining
@@ -86,12 +85,9 @@ async def drain(app: FastAPI, timeout_s: float) -> None:
     lifecycle.draining = True
     engine: Engine | None = app.state.engine
     log.info("draining: waiting up to %.1fs for in-flight requests", timeout_s)
-    try:
-        if engine is not None:
-            await engine.shutdown(timeout_s)
-    finally:
-        lifecycle.drained.set()
-        log.info("drained")
+    if engine is not None:
+        await engine.shutdown(timeout_s)
+    log.info("drained")
 
 
 @asynccontextmanager

@@ -22,7 +22,7 @@ from tests.service.server import free_port, running_server, serve_command
 
 
 def test_drain_on_sigterm_finishes_in_flight_then_exits_zero(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
-    env = {"NANOSERVE_DRAIN_TIMEOUT": "60"}
+    env = {"NANOSERVE_DRAIN_TIMEOUT": "60", "NANOSERVE_LOG_FORMAT": "json"}
     with running_server(tiny_checkpoint, env=env) as server:
         url = server.base_url
         result: dict[str, object] = {}
@@ -57,7 +57,12 @@ def test_drain_on_sigterm_finishes_in_flight_then_exits_zero(tiny_checkpoint) ->
     assert isinstance(events, list) and "error_event" not in result
     assert len(events) == 40 and events[-1]["details"]["finish_reason"] == "length"  # not cut short
     assert status == 0, logs
-    assert "received SIGTERM: draining" in logs and "drained" in logs
+    records = [json.loads(line) for line in logs.splitlines() if line.strip()]  # every line is JSON
+    messages = [r.get("message", "") for r in records]
+    assert any("received SIGTERM: draining" in m for m in messages) and "drained" in messages
+    access = [r for r in records if r["logger"] == "nanoserve.access" and r["route"] == "/generate_stream"]
+    assert len(access) == 1 and access[0]["status"] == 200 and access[0]["generated_tokens"] == 40
+    assert access[0]["finish_reason"] == "length" and access[0]["ttft_ms"] > 0
 
 
 def _port_is_closed(port: int) -> bool:
