@@ -38,19 +38,23 @@ class Settings(BaseSettings):
     device: str = Field(
         default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="auto|cpu|cuda[:N]"
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    host: str = Field(default="127.0.0.1", min_length=1)
-    port: int = Field(default=8000, ge=0, le=65535)
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="float32|bfloat16|float16 (float16 on a GPU only)."
+    )
+    host: str = Field(default="127.0.0.1", min_length=1, description="Address to listen on.")
+    port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")
 
     # Engine (passed to EngineConfig).
     max_seqs: int = Field(default=16, ge=1, le=4096, description="KV slots = max concurrent sequences.")
     max_queue: int = Field(default=64, ge=1, description="Waiting requests beyond which new ones get 429.")
     prefill_budget: int = Field(default=256, ge=1, description="Prompt tokens prefilled per engine step.")
-    crop_policy: Literal["shift", "sliding"] = "shift"
+    crop_policy: Literal["shift", "sliding"] = Field(
+        default="shift", description="Past the window: shift (amortized) or sliding (nanoGPT's)."
+    )
     shift_keep: int | None = Field(default=None, ge=1, description="Tokens kept on a context shift.")
     reject_long_prompts: bool = Field(default=False, description="422 instead of cropping over-long prompts.")
-    deterministic: bool = False
-    compile: bool = False
+    deterministic: bool = Field(default=False, description="Same tokens alone or batched (slower).")
+    compile: bool = Field(default=False, description="torch.compile the decode step at warm-up.")
     fault_injection: str | None = Field(
         default=None, description="Test builds only: a fault the engine injects (see the engine's docs)."
     )
@@ -61,7 +65,7 @@ class Settings(BaseSettings):
     )
     max_new_tokens: int = Field(default=4096, ge=1, description="Cap on a request's max_new_tokens.")
     default_max_new_tokens: int = Field(default=64, ge=1, description="Used when a request sets none.")
-    max_stop_sequences: int = Field(default=8, ge=0)
+    max_stop_sequences: int = Field(default=8, ge=0, description="Stop strings allowed per request.")
     max_top_n_tokens: int = Field(default=5, ge=0, description="Cap on top_n_tokens / top_logprobs.")
     max_body_bytes: int = Field(default=1 << 20, ge=1024, description="Larger request bodies get 413.")
 
@@ -69,13 +73,19 @@ class Settings(BaseSettings):
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="Accepted bearer keys, comma-separated; empty = no auth."
     )
-    metrics_require_auth: bool = False
+    metrics_require_auth: bool = Field(default=False, description="GET /metrics needs an API key too.")
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Origins allowed cross-origin access; empty = CORS off."
     )
 
     # Lifecycle and logs.
-    drain_timeout: float = Field(default=30.0, ge=0, le=3600, allow_inf_nan=False)
+    drain_timeout: float = Field(
+        default=30.0,
+        ge=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="Seconds in-flight requests get to finish after SIGTERM.",
+    )
     keepalive_interval: float = Field(
         default=15.0,
         gt=0,
@@ -83,8 +93,10 @@ class Settings(BaseSettings):
         allow_inf_nan=False,
         description="Seconds between SSE keep-alive comments.",
     )
-    log_level: LogLevel = "info"
-    log_format: Literal["text", "json"] = "text"
+    log_level: LogLevel = Field(default="info", description="debug|info|warning|error|critical")
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="text, or one JSON object a line."
+    )
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
