@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,20 +86,32 @@ def start_server(
     return ServerProcess(f"http://127.0.0.1:{port}", port, process, Path(log_file.name))
 
 
-def wait_ready(server: ServerProcess, timeout: float = 90.0) -> None:
-    """Poll GET /ready until 200; raise with the server's log if it exits or the time runs out."""
+def poll_ready(
+    base_url: str,
+    timeout: float,
+    *,
+    alive: Callable[[], bool],
+    logs: Callable[[], str],
+    interval: float = 0.1,
+) -> None:
+    """Poll GET {base_url}/ready until 200. Raises RuntimeError (with `logs()`) once `alive()` is
+    false, TimeoutError when `timeout` passes. For anything that runs a server: a process, a container."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            code = server.process.returncode
-            raise RuntimeError(f"server exited with {code} before ready:\n{server.logs()}")
+        if not alive():
+            raise RuntimeError(f"server exited before it was ready:\n{logs()}")
         try:
-            if httpx.get(server.base_url + "/ready", timeout=2.0).status_code == 200:
+            if httpx.get(base_url + "/ready", timeout=2.0).status_code == 200:
                 return
         except httpx.TransportError:
             pass
-        time.sleep(0.1)
-    raise TimeoutError(f"server not ready after {timeout:.0f}s:\n{server.logs()}")
+        time.sleep(interval)
+    raise TimeoutError(f"server not ready after {timeout:.0f}s:\n{logs()}")
+
+
+def wait_ready(server: ServerProcess, timeout: float = 90.0) -> None:
+    """Poll GET /ready until 200; raise with the server's log if it exits or the time runs out."""
+    poll_ready(server.base_url, timeout, alive=lambda: server.process.poll() is None, logs=server.logs)
 
 
 @contextmanager
