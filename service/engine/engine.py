@@ -16,6 +16,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.tokenizer import Tokenizer, TokenizerError
 from service.engine.config import EngineConfig
@@ -54,12 +56,18 @@ class Engine:
         self.model = checkpoint.build_model(self.device, config.torch_dtype)
         self.num_params = self.model.num_params(non_embedding=False)
         self.packed_linears = 0
-        if config.packed_linear and packed_linear_supported(self.model.wte.weight.device, config.torch_dtype):
+        packable = packed_linear_supported(self.model.wte.weight.device, config.torch_dtype)
+        if config.packed_linear and packable and not config.compile:
             self.packed_linears = pack_linears(self.model, batch_hint=config.max_seqs)
         self.runner = ModelRunner(
             self.model, config.max_seqs, self.window,
             usable_vocab=self.tokenizer.vocab_size, deterministic=config.deterministic,
         )
+        if config.compile:
+            # Shapes vary with batch size, chunk length and attention span: compile dynamically.
+            # The first forward of each new shape family compiles (minutes on 2 CPU cores), so
+            # warmup() should run before the engine reports ready.
+            self.runner.model = torch.compile(self.model, dynamic=True)  # type: ignore[assignment]
         self.scheduler = Scheduler(self.runner, self.tokenizer, config, self.window)
         self._fault_kind, _, self._fault_marker = (config.fault_injection or "").partition(":")
         self._waiting = WaitingQueue()
