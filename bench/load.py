@@ -22,6 +22,7 @@ import math
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -49,6 +50,8 @@ class LoadConfig:
     timeout_s: float = 120.0  # per request, connect to last byte
     disconnect_after: int | None = None  # close the stream after this many tokens (fault tests)
     read_delay_s: float = 0.0  # sleep after each event: a slow reader
+    # Called with the request's result after each token arrives (tests use it to act mid-stream).
+    on_token: Callable[[RequestResult], None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.route not in ROUTES:
@@ -172,8 +175,9 @@ class SSEParser:
 class _StreamState:
     """What one request's stream has shown so far; `on_event` returns True when it is complete."""
 
-    def __init__(self, result: RequestResult, route: str, t0: float) -> None:
-        self.result, self.route, self.t0 = result, route, t0
+    def __init__(self, result: RequestResult, config: LoadConfig, t0: float) -> None:
+        self.result, self.route, self.t0 = result, config.route, t0
+        self.on_token = config.on_token
         self.last_token_at: float | None = None
         self.last_index: int | None = None
 
@@ -187,6 +191,8 @@ class _StreamState:
         self.last_token_at = now
         r.tokens += 1
         r.text += text
+        if self.on_token is not None:
+            self.on_token(r)
 
     def on_event(self, event: str, data: str) -> bool:
         r = self.result
@@ -274,7 +280,7 @@ async def one_request(client: httpx.AsyncClient, config: LoadConfig, index: int)
 
 async def _read_stream(resp: httpx.Response, result: RequestResult, config: LoadConfig,
                        t0: float) -> None:
-    state, parser, complete = _StreamState(result, config.route, t0), SSEParser(), False
+    state, parser, complete = _StreamState(result, config, t0), SSEParser(), False
     result.kind = "cut"  # until the final event arrives
     async for line in resp.aiter_lines():
         parsed = parser.feed(line)

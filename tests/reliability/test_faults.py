@@ -154,25 +154,43 @@ def test_engine_fault_ends_one_request_with_an_error_event(
     url = fleet[server].base_url
     key = API_KEYS[0] if server == "secure" else None
 
-    async def batch() -> tuple[LoadReport, LoadReport]:
-        poisoned = run_load(LoadConfig(url=url, concurrency=1, requests=1, prompt=f"Hi {MARKER}!",
-                                       max_new_tokens=24, seed=1, timeout_s=60, api_key=key))
-        mates = run_load(LoadConfig(url=url, concurrency=3, requests=3, prompt="Hello there",
-                                    max_new_tokens=24, seed=50, timeout_s=60, api_key=key))
-        return await asyncio.gather(poisoned, mates)
+    tokens = 60  # "Hi" + 60 tokens stay inside the 64-token window: no context shift
 
-    poisoned, mates = asyncio.run(batch())
+    progress: dict[int, int] = {}  # mate -> tokens received so far
+
+    async def batch() -> tuple[LoadReport, LoadReport, dict[int, int]]:
+        # The poisoned request is sent once all three mates are generating, so it joins their batch.
+        generating = asyncio.Event()
+
+        def on_token(r: RequestResult) -> None:
+            progress[r.index] = r.tokens
+            if len(progress) == 3:
+                generating.set()
+
+        mates = asyncio.ensure_future(run_load(LoadConfig(
+            url=url, concurrency=3, requests=3, prompt="Hi", max_new_tokens=tokens, seed=50,
+            timeout_s=60, api_key=key, on_token=on_token)))
+        await asyncio.wait_for(generating.wait(), 60)
+        poisoned = await run_load(LoadConfig(url=url, concurrency=1, requests=1, prompt=f"Hi {MARKER}!",
+                                             max_new_tokens=tokens, seed=1, timeout_s=60, api_key=key))
+        at_error = dict(progress)
+        return poisoned, await mates, at_error
+
+    poisoned, mates, at_error = asyncio.run(batch())
     bad = poisoned.results[0]
     assert bad.kind == "error_event" and bad.error, bad
-    assert_complete(mates.results, 24)
+    assert any(n < tokens for n in at_error.values()), f"no mate was still generating: {at_error}"
+    assert_complete(mates.results, tokens)
     # Batch-mates produced exactly what they produce alone (same seeds, nothing poisoned around).
-    alone = load(url, 1, requests=3, seed=50, api_key=key)
+    alone = load(url, 1, requests=3, prompt="Hi", max_new_tokens=tokens, seed=50, api_key=key)
     assert [r.text for r in alone.results] == [r.text for r in mates.results]
     assert httpx.get(f"{url}/ready", timeout=10).status_code == 200
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     errors = total(scrape(url), "nanoserve_requests_finished_total", finish_reason="error")
     assert errors == 1
     wait_until(lambda: engine_idle(url), timeout_s=10)
+    print(f"fault {server}: poisoned request ended with event: error ({bad.error!r}); "
+          f"mates had {sorted(at_error.values())} of {tokens} tokens then, all completed = solo runs")
 
 
 # ---- SIGTERM under load ------------------------------------------------------------------------
