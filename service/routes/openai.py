@@ -29,6 +29,7 @@ from service.routes.openai_format import (
     chat_response,
     completion_response,
 )
+from service.schemas.common import ErrorResponse
 from service.schemas.openai import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -47,10 +48,12 @@ router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
 # Streaming answers are SSE, not JSON: say so in the OpenAPI document.
 _SSE_DOC: dict[int | str, dict[str, Any]] = {
     200: {
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        # itemSchema: one SSE event (OpenAPI 3.2's way; without it `schema` describes each event).
+        "content": {"text/event-stream": {"itemSchema": {"type": "object", "required": ["data"]}}},
         "description": "JSON, or with `stream: true` server-sent events: one chunk per text delta, "
         "then `data: [DONE]`.",
-    }
+    },
+    404: {"description": "`model` is not the served model.", "model": ErrorResponse},
 }
 
 
@@ -106,7 +109,8 @@ async def list_models(engine: EngineDep) -> ModelList:
     return ModelList(data=[_model_card(engine)])
 
 
-@router.get("/models/{model_id}", response_model=ModelCard)
+@router.get("/models/{model_id}", response_model=ModelCard,
+            responses={404: {"description": "Not the served model.", "model": ErrorResponse}})
 async def get_model(model_id: str, engine: EngineDep) -> ModelCard:
     """One model by id (404 unless it is the served one)."""
     _served_model(engine, model_id)
@@ -127,7 +131,12 @@ async def completions(body: CompletionRequest, request: Request, engine: EngineD
     top_n = body.logprobs or 0
     params = _sampling_params(body, settings, max_tokens=body.max_tokens, extra_stop=[],
                               logprobs=body.logprobs is not None, top_n=top_n)
-    gen = await start_generation(request, engine, body.prompt_input(), params, param="prompt")
+    prompt = body.prompt_input()
+    vocab = engine.tokenizer.vocab_size
+    if isinstance(prompt, list) and (bad := next((t for t in prompt if t >= vocab), None)) is not None:
+        raise APIError(422, f"prompt: token id {bad} is not in this model's vocabulary [0, {vocab})",
+                       code="invalid_token_id", param="prompt")
+    gen = await start_generation(request, engine, prompt, params, param="prompt")
     reply = Reply.new("cmpl", model, engine.tokenizer)
     if body.stream:
         render = CompletionChunks(reply, body.logprobs, body.include_usage())

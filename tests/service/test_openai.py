@@ -187,11 +187,18 @@ def test_chat_refusals_surface_in_the_sdk(client: openai.OpenAI, kwargs: dict, f
         assert says in body["message"], body
 
 
-def test_unknown_model_and_batch_prompt(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
-        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+def test_prompt_forms_and_unknown_model(client: openai.OpenAI, checkpoint: Checkpoint) -> None:
+    as_text = client.completions.create(model="tiny-test", prompt="Hath", max_tokens=6, temperature=0)
+    ids = checkpoint.tokenizer.encode("Hath")
+    as_ids = client.completions.create(model="tiny-test", prompt=ids, max_tokens=6, temperature=0)
+    as_list = client.completions.create(model="tiny-test", prompt=["Hath"], max_tokens=6, temperature=0)
+    assert as_text.choices[0].text == as_ids.choices[0].text == as_list.choices[0].text
+    with pytest.raises(openai.UnprocessableEntityError, match="token id 5000 is not in"):
+        client.completions.create(model="tiny-test", prompt=[1, 5000], max_tokens=1)
     with pytest.raises(openai.UnprocessableEntityError, match="one prompt per request"):
         client.completions.create(model="tiny-test", prompt=["a", "b"], max_tokens=1)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
 
 
 def test_sse_wire_format(server: ServerProcess) -> None:
