@@ -161,7 +161,7 @@ def hf_model(ckpt: Checkpoint) -> Any:
 
     out = Path(tempfile.mkdtemp(prefix="nanoserve-bench-hf-"))
     export_hf(ckpt, out)
-    return GPT2LMHeadModel.from_pretrained(out, torch_dtype=DTYPES[ckpt.dtype]).eval(), out
+    return GPT2LMHeadModel.from_pretrained(out, dtype=DTYPES[ckpt.dtype]).eval(), out
 
 
 @torch.inference_mode()
