@@ -106,8 +106,11 @@ class StepTimes:
         pass
 
 
-async def _engine_run(engine: Engine, prompts: list[list[int]], new: int) -> float:
-    params = SamplingParams(max_new_tokens=new, temperature=0.0, stop_on_eos=False)
+async def _engine_run(
+    engine: Engine, prompts: list[list[int]], new: int, extra: dict[str, Any] | None = None
+) -> float:
+    base: dict[str, Any] = {"temperature": 0.0, "seed": 0, **(extra or {})}
+    params = SamplingParams(max_new_tokens=new, stop_on_eos=False, **base)
 
     async def one(p: list[int]) -> int:
         return len([e async for e in await engine.generate(p, params) if e.token_id is not None])
@@ -119,23 +122,28 @@ async def _engine_run(engine: Engine, prompts: list[list[int]], new: int) -> flo
     return elapsed
 
 
-def bench_engine(ckpt: Checkpoint, conc: int, prompts: list[list[int]], new: int, cfg: dict[str, Any]) -> Run:
+def bench_engine(
+    ckpt: Checkpoint, conc: int, prompts: list[list[int]], new: int, cfg: dict[str, Any] | None = None,
+    params: dict[str, Any] | None = None, name: str = "engine",
+) -> Run:
     times = StepTimes()
     window = min(ckpt.config.block_size, 256)  # bounds KV memory; prompts + new tokens fit
-    config = EngineConfig(max_seqs=conc, max_queue=conc, dtype=ckpt.dtype, max_context=window, **cfg)
+    cfg = {"max_context": window, **(cfg or {})}
+    config = EngineConfig(max_seqs=conc, max_queue=conc, dtype=ckpt.dtype, **cfg)
     engine = Engine(ckpt, config, observer=times)
     engine.start()
 
     async def go() -> float:
         await engine.warmup()
-        await _engine_run(engine, prompts[:conc], 4)  # warm this batch size's shapes
+        await _engine_run(engine, prompts[:conc], 4, params)  # warm this batch size's shapes
         times.decode.clear()
-        elapsed = await _engine_run(engine, prompts[:conc], new)
+        elapsed = await _engine_run(engine, prompts[:conc], new, params)
         await engine.shutdown(0.0)
         return elapsed
 
     elapsed = asyncio.run(go())
-    return Run("engine", conc, conc * new, elapsed, 1e3 * statistics.median(times.decode))
+    step = 1e3 * statistics.median(times.decode) if times.decode else float("nan")
+    return Run(name, conc, conc * new, elapsed, step)
 
 
 # ------------------------------------------------------------------------------- (b) naive loop
@@ -219,6 +227,7 @@ def load_avg() -> str:
 
 
 def run_shape(shape: str, dtype: str, concs: list[int], args: argparse.Namespace) -> ShapeResult:
+    from bench.levers import lever_runs
     from bench.llama_peer import bench_llama  # the optional llama.cpp peer
 
     ckpt = make_checkpoint(shape, dtype)
@@ -240,9 +249,11 @@ def run_shape(shape: str, dtype: str, concs: list[int], args: argparse.Namespace
         llama = bench_llama(hf_dir, ckpt, conc, prompts, new, args.threads)
         if llama is not None:
             res.runs.append(llama)
-        for r in res.runs[-4:]:
+        if args.levers and conc in (1, 32):
+            res.runs.extend(lever_runs(ckpt, conc, prompts, new))
+        for r in res.runs:
             if r.concurrency == conc:
-                print(f"    {r.peer:7s} {r.tps:9.1f} tok/s  step {r.step_ms:8.2f} ms {r.note}", flush=True)
+                print(f"    {r.peer:22s} {r.tps:9.1f} tok/s  step {r.step_ms:8.2f} ms {r.note}", flush=True)
     return res
 
 
@@ -290,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default=str(RESULTS / "engine"))
+    ap.add_argument("--levers", action="store_true", help="also measure each engine lever off/on")
+    ap.add_argument("--crop", action="store_true", help="also measure shift vs sliding past the window")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     concs = [int(c) for c in args.concurrency.split(",")]
@@ -298,7 +311,14 @@ def main(argv: list[str] | None = None) -> int:
         run_shape(shape, dtype, concs, args)
         for shape in args.shapes.split(",") for dtype in args.dtypes.split(",")
     ]
+    from bench.levers import crop_runs, crop_table, lever_table
+
     md = table(results)
+    if args.levers:
+        md += "\n\nLevers (same run; ratio to the default engine at the same concurrency):\n\n"
+        md += lever_table(results)
+    if args.crop:
+        md += "\n\nCropping past the window (10.7M, float32):\n\n" + crop_table(crop_runs())
     print(md)
     meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
     out = Path(args.out)
