@@ -8,9 +8,10 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -21,48 +22,54 @@ from tests.service.asgi import AppClient
 from tests.service.server import free_port, running_server, serve_command
 
 
-def test_drain_on_sigterm_finishes_in_flight_then_exits_zero(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
-    env = {"NANOSERVE_DRAIN_TIMEOUT": "60", "NANOSERVE_LOG_FORMAT": "json"}
+async def _next_data(lines: AsyncIterator[str]) -> dict[str, Any]:
+    async for line in lines:
+        if line.startswith("data: "):
+            return dict(json.loads(line[len("data: ") :]))
+        assert not line.startswith("event:"), line
+    raise AssertionError("the stream ended early")
+
+
+async def test_drain_on_sigterm_finishes_in_flight_then_exits_zero(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    # Two in flight at SIGTERM: a 300-token stream that must finish whole, and an endless one that
+    # holds the drain open (so the probes below certainly happen during it) until the test hangs up.
+    env = {"NANOSERVE_DRAIN_TIMEOUT": "120", "NANOSERVE_MAX_SEQS": "2", "NANOSERVE_LOG_FORMAT": "json",
+           "NANOSERVE_MAX_NEW_TOKENS": "1000000"}
     with running_server(tiny_checkpoint, env=env) as server:
-        url = server.base_url
-        result: dict[str, object] = {}
-        first_token = threading.Event()
-
-        def stream() -> None:
-            events = []
-            with httpx.stream("POST", url + "/generate_stream", timeout=60,
-                              json={"inputs": "Hello", "parameters": {"max_new_tokens": 40}}) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(json.loads(line[6:]))
-                        first_token.set()
-                    elif line.startswith("event:"):
-                        result["error_event"] = line
-            result["events"] = events
-
-        worker = threading.Thread(target=stream)
-        worker.start()
-        assert first_token.wait(30), server.logs()
-        server.process.send_signal(signal.SIGTERM)
-        ready = httpx.get(url + "/ready", timeout=10)
-        refused = httpx.post(url + "/generate", json={"inputs": "Hi"}, timeout=10)
-        health = httpx.get(url + "/health", timeout=10)
-        worker.join(60)
-        status = server.wait(60)
-        logs = server.logs()
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            endless = {"inputs": "Hi", "parameters": {"max_new_tokens": 1_000_000}}
+            async with client.stream("POST", "/generate_stream", json=endless) as holder:
+                await _next_data(holder.aiter_lines())
+                finite = {"inputs": "Hello", "parameters": {"max_new_tokens": 300}}
+                async with client.stream("POST", "/generate_stream", json=finite) as r:
+                    lines = r.aiter_lines()
+                    events = [await _next_data(lines)]
+                    server.process.send_signal(signal.SIGTERM)
+                    ready = await client.get("/ready")
+                    refused = await client.post("/generate", json={"inputs": "Hi"})
+                    health = await client.get("/health")
+                    async for line in lines:
+                        assert not line.startswith("event:"), line  # no error event: not cut short
+                        if line.startswith("data: "):
+                            events.append(json.loads(line[len("data: ") :]))
+            # The endless one is closed by the client here: the drain can end.
+            status = server.wait(60)
+            logs = server.logs()
     assert ready.status_code == 503 and ready.json()["error"]["code"] == "draining"
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert health.status_code == 200  # alive while draining: not a reason to restart the process
-    events = result["events"]
-    assert isinstance(events, list) and "error_event" not in result
-    assert len(events) == 40 and events[-1]["details"]["finish_reason"] == "length"  # not cut short
+    assert len(events) == 300 and events[-1]["details"]["finish_reason"] == "length"
     assert status == 0, logs
     records = [json.loads(line) for line in logs.splitlines() if line.strip()]  # every line is JSON
     messages = [r.get("message", "") for r in records]
-    assert any("received SIGTERM: draining" in m for m in messages) and "drained" in messages
-    access = [r for r in records if r["logger"] == "nanoserve.access" and r["route"] == "/generate_stream"]
-    assert len(access) == 1 and access[0]["status"] == 200 and access[0]["generated_tokens"] == 40
-    assert access[0]["finish_reason"] == "length" and access[0]["ttft_ms"] > 0
+    signalled = next(i for i, m in enumerate(messages) if "received SIGTERM: draining" in m)
+    assert "drained" in messages[signalled:]
+    access = [(i, r) for i, r in enumerate(records)
+              if r["logger"] == "nanoserve.access" and r.get("generated_tokens") == 300]
+    assert len(access) == 1
+    index, line = access[0]
+    assert index > signalled  # it was still in flight when the signal came
+    assert line["status"] == 200 and line["finish_reason"] == "length" and line["ttft_ms"] > 0
 
 
 def _port_is_closed(port: int) -> bool:
