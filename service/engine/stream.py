@@ -51,3 +51,9 @@ class GenerationStream:
     @property
     def done(self) -> bool:
         return self._done
+
+    def __del__(self) -> None:
+        # Dropped without aclose() (e.g. `break` out of `async for`): nobody will read the rest,
+        # so free the slot. Only the flag is set here; the engine reads it every step.
+        if not self._done:
+            self._request.cancelled = True

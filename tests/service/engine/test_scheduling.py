@@ -174,3 +174,12 @@ async def test_warmup_ready_stats_info_and_observer(make_engine: EngineFactory, 
     assert stats.kv_cache_bytes == engine.runner.cache.nbytes > 0
     info = engine.info()
     assert info["window"] == 32 and info["max_seqs"] == 3 and info["crop_policy"] == "shift"
+
+
+async def test_dropping_a_stream_without_closing_it_frees_the_slot(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_seqs=1)
+    stream = await engine.generate("Hello", SamplingParams(max_new_tokens=10_000, temperature=0.0))
+    async for _ in stream:
+        break
+    del stream
+    await wait_for(lambda: engine.stats().slots_used == 0)
