@@ -44,10 +44,16 @@ class RequestRecord:
     finish_reason: str | None = None
     ttft_s: float | None = None
 
+    def started(self, prompt_tokens: int, cropped_tokens: int) -> None:
+        """The engine accepted the generation (counts are known before any token)."""
+        self.prompt_tokens, self.cropped_tokens, self.generated_tokens = prompt_tokens, cropped_tokens, 0
+
     def observe(self, event: TokenEvent) -> None:
         """Note one token event of this request's generation (first token time, final usage)."""
-        if self.ttft_s is None and event.token_id is not None:
-            self.ttft_s = time.perf_counter() - self.arrival
+        if event.token_id is not None:
+            self.generated_tokens = (self.generated_tokens or 0) + 1
+            if self.ttft_s is None:
+                self.ttft_s = time.perf_counter() - self.arrival
         if event.finish_reason is not None:
             self.finish_reason = event.finish_reason.value
         if event.usage is not None:
@@ -65,7 +71,9 @@ class RequestRecord:
         }
         if self.prompt_tokens is not None:
             out.update(prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
-                       cropped_tokens=self.cropped_tokens, finish_reason=self.finish_reason)
+                       cropped_tokens=self.cropped_tokens)
+        if self.finish_reason is not None:
+            out["finish_reason"] = self.finish_reason
         if self.ttft_s is not None:
             out["ttft_ms"] = round(self.ttft_s * 1000, 2)
         return out

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import anyio
 from starlette.requests import Request
 
 from service.access_log import record_of
@@ -95,6 +96,7 @@ async def start_generation(
     except InvalidRequest as exc:
         exc.param = exc.param or param
         raise
+    record.started(stream.prompt_tokens, stream.cropped_tokens)
     arrival: float = request.state.arrival
     tracked = request.app.state.metrics.track_stream(stream, route_template(request), arrival)
     return Generation(stream, _recorded(tracked, request))
@@ -146,7 +148,11 @@ async def collect(request: Request, gen: Generation) -> Completed:
         watch.cancel()
         if not consume.done():
             consume.cancel()
-        await gen.aclose()
+        # Let the consumer finish unwinding first: closing a generator that is still running in
+        # another task raises. Shielded, as cancellation of this handler must not skip the close.
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait({consume})
+            await gen.aclose()
     if consume.cancelled() or not consume.done():
         record_of(request).finish_reason = FinishReason.CANCELLED.value
         raise APIError(499, "client disconnected", code="client_disconnected")

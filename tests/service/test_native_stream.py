@@ -102,6 +102,10 @@ async def test_disconnect_of_a_non_streaming_request_frees_its_slot(server: Serv
             await client.post("/generate", json=ENDLESS)  # gives up after 1 s and closes the socket
     async with httpx.AsyncClient(base_url=server.base_url, timeout=20) as client:
         await wait_ready_again(client)
+    logs = server.logs()
+    assert "unhandled error" not in logs and "Traceback" not in logs, logs
+    assert any("route=/generate status=499" in line and "finish_reason=cancelled" in line
+               for line in logs.splitlines()), logs  # logged as the client closing the request
 
 
 async def test_engine_error_after_200_is_a_named_error_event(server: ServerProcess) -> None:
