@@ -1,7 +1,7 @@
 """The chat page at GET /, in a real headless Chromium (Debian's package) driven by Playwright.
 
-The server runs with an API key, as a careful operator would deploy it: the page itself must load
-without one, and the key typed into the page must carry its API calls.
+The server (shared with the OpenAI tests) runs with an API key, as a careful operator would deploy
+it: the page itself must load without one, and the key typed into the page must carry its API calls.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,19 +16,17 @@ import pytest
 
 from service.routes.chat_page import STATIC_DIR
 from tests.conftest import require_module, require_tool
-from tests.service.server import ServerProcess, running_server
+from tests.service.conftest import OPENAI_API_KEY, metric_value
+from tests.service.server import ServerProcess
 
-API_KEY = "chat-page-test-key"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 XSS = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path) -> Iterator[ServerProcess]:
-    env = {"NANOSERVE_API_KEYS": API_KEY, "NANOSERVE_MAX_SEQS": "2"}
-    with running_server(tiny_checkpoint, env=env) as srv:
-        yield srv
+def server(openai_server: ServerProcess) -> ServerProcess:
+    return openai_server
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +86,13 @@ def test_type_send_stream_and_stop(browser: Any, server: ServerProcess) -> None:
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(server.base_url + "/")
     wait_until(lambda: "API key required" in page.inner_text("#model"), what="the page to ask for a key")
-    page.fill("#api-key", API_KEY)
+    page.fill("#api-key", OPENAI_API_KEY)
     page.press("#api-key", "Tab")  # "change" stores the key and reloads the model list
     wait_until(lambda: "tiny-test" in page.inner_text("#model"), what="the model name")
 
+    # Greedy, so the replies are fixed by the checkpoint (a random turn-ending "\n\n" cannot flake).
+    page.fill("#temperature", "0")
+    assert page.inner_text("#temperature-value") == "0.00"
     # A short reply runs to its token limit.
     page.fill("#max-tokens", "5")
     page.fill("#prompt", "Good morrow")
@@ -105,6 +105,8 @@ def test_type_send_stream_and_stop(browser: Any, server: ServerProcess) -> None:
     assert len(assistant_text(page)) > 0
 
     # A long reply streams in and the Stop button ends it.
+    cancelled = 'nanoserve_requests_cancelled_total{route="/v1/chat/completions"}'
+    before = metric_value(metrics(server), cancelled)
     page.fill("#max-tokens", "4000")
     page.fill("#prompt", "Tell me everything")
     page.click("#send")
@@ -119,9 +121,8 @@ def test_type_send_stream_and_stop(browser: Any, server: ServerProcess) -> None:
     assert assistant_text(page) == stopped and page.is_disabled("#stop")
     assert "finish: stopped" in page.inner_text("#status")
     # The server cancelled the generation rather than running it to 4000 tokens, and freed its slot.
-    cancelled = 'nanoserve_requests_cancelled_total{route="/v1/chat/completions"} 1.0'
-    wait_until(lambda: all(s in metrics(server) for s in (cancelled, "nanoserve_running_sequences 0.0")),
-               what="the server to cancel the stopped generation")
+    wait_until(lambda: metric_value(m := metrics(server), cancelled) == before + 1
+               and "nanoserve_running_sequences 0.0" in m, what="the server to cancel the stopped generation")
     page.screenshot(path="/tmp/nanoserve-chat-page.png")
     assert errors == []
     page.close()

@@ -21,22 +21,26 @@ from model.chat_template import render_chat
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.gpt import GPT
 from model.reference import reference_generate
-from tests.service.server import ServerProcess, running_server
+from tests.service.conftest import (
+    OPENAI_API_KEY,
+    OPENAI_MAX_NEW_TOKENS,
+    OPENAI_MAX_STOP_SEQUENCES,
+    metric_value,
+)
+from tests.service.server import ServerProcess
 
-MAX_NEW_TOKENS = 256  # the server's cap, set below; the tests probe it
+MAX_NEW_TOKENS = OPENAI_MAX_NEW_TOKENS
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path) -> Iterator[ServerProcess]:
-    env = {"NANOSERVE_MAX_NEW_TOKENS": str(MAX_NEW_TOKENS), "NANOSERVE_DEFAULT_MAX_NEW_TOKENS": "16",
-           "NANOSERVE_MAX_SEQS": "4", "NANOSERVE_MAX_STOP_SEQUENCES": "4", "NANOSERVE_DRAIN_TIMEOUT": "2"}
-    with running_server(tiny_checkpoint, env=env) as srv:
-        yield srv
+def server(openai_server: ServerProcess) -> ServerProcess:
+    return openai_server
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key=OPENAI_API_KEY, max_retries=0,
+                       timeout=60) as c:
         yield c
 
 
@@ -173,7 +177,7 @@ def test_logprobs(client: openai.OpenAI) -> None:
     ({"extra_body": {"frobnicate": 1}}, "frobnicate", "Extra inputs"),
     ({"extra_body": {"temperature": True}}, "temperature", "valid number"),
     ({"max_tokens": MAX_NEW_TOKENS + 1}, "max_tokens", f"limit of {MAX_NEW_TOKENS}"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "limit of 4"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", f"limit of {OPENAI_MAX_STOP_SEQUENCES}"),
     ({"messages": [{"role": "user", "content": "caf\u00e9"}]}, "messages", "\u00e9"),
 ])
 def test_chat_refusals_surface_in_the_sdk(client: openai.OpenAI, kwargs: dict, field: str, says: str) -> None:
@@ -203,7 +207,9 @@ def test_prompt_forms_and_unknown_model(client: openai.OpenAI, checkpoint: Check
 
 def test_sse_wire_format(server: ServerProcess) -> None:
     body = {"messages": [{"role": "user", "content": "Go"}], "max_tokens": 5, "stream": True}
-    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=30) as r:
+    headers = {"Authorization": f"Bearer {OPENAI_API_KEY}"}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, headers=headers,
+                      timeout=30) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         assert r.headers["cache-control"] == "no-cache"
@@ -211,9 +217,13 @@ def test_sse_wire_format(server: ServerProcess) -> None:
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]"
     assert '"usage":null' in lines[-2]  # no usage chunk unless stream_options asks for it
+    refused = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30)
+    assert refused.status_code == 401  # the API key protects the OpenAI routes
 
 
 def test_closing_a_stream_frees_its_slot(client: openai.OpenAI, server: ServerProcess) -> None:
+    cancelled = 'nanoserve_requests_cancelled_total{route="/v1/completions"}'
+    before = metric_value(httpx.get(server.base_url + "/metrics", timeout=5).text, cancelled)
     stream = client.completions.create(model="tiny-test", prompt="Long", max_tokens=MAX_NEW_TOKENS,
                                        temperature=1.0, stream=True)
     for i, _ in enumerate(stream):
@@ -221,11 +231,11 @@ def test_closing_a_stream_frees_its_slot(client: openai.OpenAI, server: ServerPr
             break
     stream.close()
     # The engine cancels it (rather than generating all its tokens) and frees the slot.
-    cancelled = 'nanoserve_requests_cancelled_total{route="/v1/completions"} 1.0'
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         metrics = httpx.get(server.base_url + "/metrics", timeout=5).text
-        if cancelled in metrics and "nanoserve_running_sequences 0.0" in metrics:
+        if metric_value(metrics, cancelled) == before + 1 and "nanoserve_running_sequences 0.0" in metrics:
             break
         time.sleep(0.1)
-    assert cancelled in metrics and "nanoserve_running_sequences 0.0" in metrics
+    assert metric_value(metrics, cancelled) == before + 1
+    assert "nanoserve_running_sequences 0.0" in metrics
