@@ -198,24 +198,38 @@ def test_engine_fault_ends_one_request_with_an_error_event(
 def test_sigterm_under_load_drains_then_exits_zero(fleet: dict[str, ServerProcess]) -> None:
     server = fleet["drain"]
     url, in_flight, tokens, drain_timeout = server.base_url, 6, 200, 60.0
+    progress: dict[int, int] = {}  # in-flight request -> tokens received so far
 
-    async def scenario() -> tuple[LoadReport, list[int], float]:
-        task = asyncio.ensure_future(run_load(LoadConfig(
-            url=url, concurrency=in_flight, requests=in_flight, prompt="Hello there",
-            max_new_tokens=tokens, seed=9, timeout_s=120)))
-        await asyncio.to_thread(wait_until, lambda: total(scrape(url), "nanoserve_running_sequences")
-                                == in_flight, 30)
-        server.process.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+    async def scenario() -> tuple[LoadReport, list[int], float, dict[int, int]]:
+        streaming = asyncio.Event()
+
+        def on_token(r: RequestResult) -> None:
+            progress[r.index] = r.tokens
+            if len(progress) == in_flight:
+                streaming.set()
+
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            # A long stream the test closes itself keeps the drain open until the probes are done,
+            # however fast the machine finishes the other six.
+            holder = c.stream("POST", "/generate_stream",
+                              json={"inputs": "Hi", "parameters": {"max_new_tokens": 3000}})
+            await holder.__aenter__()
+            task = asyncio.ensure_future(run_load(LoadConfig(
+                url=url, concurrency=in_flight, requests=in_flight, prompt="Hello there",
+                max_new_tokens=tokens, seed=9, timeout_s=120, on_token=on_token)))
+            await asyncio.wait_for(streaming.wait(), 60)
+            server.process.send_signal(signal.SIGTERM)
+            signalled, at_signal = time.monotonic(), dict(progress)
             await asyncio.to_thread(wait_until, lambda: httpx.get(f"{url}/ready").status_code == 503, 10)
             refused = [(await c.post("/generate", json={"inputs": "Hi"})).status_code for _ in range(3)]
             refused.append((await c.post("/generate_stream", json={"inputs": "Hi"})).status_code)
-        return await task, refused, signalled
+            await holder.__aexit__(None, None, None)
+        return await task, refused, signalled, at_signal
 
-    report, refused, signalled = asyncio.run(scenario())
+    report, refused, signalled, at_signal = asyncio.run(scenario())
     assert not task_running_after_exit(server, signalled, drain_timeout)
     assert refused == [503] * 4
+    assert any(n < tokens for n in at_signal.values()), f"nothing was in flight at SIGTERM: {at_signal}"
     assert_complete(report.results, tokens)  # every in-flight stream ran to its end
     assert server.process.returncode == 0, server.logs()
 
