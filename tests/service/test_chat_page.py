@@ -128,14 +128,16 @@ def test_type_send_stream_and_stop(browser: Any, server: ServerProcess) -> None:
     page.close()
 
 
-def sse_body(pieces: list[str]) -> str:
+def sse_body(pieces: list[str], ending: str | None = None) -> str:
+    """A chat completion stream; `ending` replaces the finish chunk and `[DONE]` when given."""
+
     def chunk(delta: dict[str, str], finish: str | None = None) -> str:
         data = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0, "model": "m",
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
         return "data: " + json.dumps(data) + "\n\n"
 
     events = [chunk({"role": "assistant", "content": ""})] + [chunk({"content": p}) for p in pieces]
-    return "".join(events) + chunk({}, "stop") + "data: [DONE]\n\n"
+    return "".join(events) + (ending if ending is not None else chunk({}, "stop") + "data: [DONE]\n\n")
 
 
 def test_model_output_is_rendered_as_text_never_html(browser: Any, server: ServerProcess) -> None:
@@ -164,3 +166,31 @@ def test_model_output_is_rendered_as_text_never_html(browser: Any, server: Serve
     assert page.evaluate("() => window.__pwned") is None
     assert dialogs == []
     context.close()
+
+
+def test_errors_are_shown_in_the_transcript(browser: Any, server: ServerProcess) -> None:
+    page = browser.new_page()
+    page.goto(server.base_url + "/")
+    page.fill("#api-key", OPENAI_API_KEY)
+    page.press("#api-key", "Tab")
+    wait_until(lambda: "tiny-test" in page.inner_text("#model"), what="the model name")
+    # Refused before streaming: the server's own 422 message, naming the field.
+    page.fill("#max-tokens", "5000")
+    page.fill("#prompt", "Hello")
+    page.press("#prompt", "Enter")
+    page.wait_for_selector(".msg.error", timeout=10_000)
+    assert "422: max_tokens: 5000 is more than this server's limit" in page.inner_text(".msg.error")
+    assert "finish: error" in page.inner_text("#status")
+    # Failed after the 200: the stream's `event: error` ends the reply, its message shown.
+    failure = {"error": {"message": "generation failed: <b>boom</b>", "type": "server_error",
+                         "code": "generation_error", "param": None}}
+    body = sse_body(["partial"], ending="event: error\ndata: " + json.dumps(failure) + "\n\n")
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"}, body=body))
+    page.fill("#max-tokens", "5")
+    page.fill("#prompt", "Again")
+    page.press("#prompt", "Enter")
+    wait_until(lambda: page.locator(".msg.error").count() == 2, what="the in-stream error")
+    assert page.locator(".msg.error .body").last.inner_text() == "generation failed: <b>boom</b>"
+    assert page.locator("#transcript b").count() == 0
+    page.close()
