@@ -31,7 +31,7 @@ async def _next_data(lines: AsyncIterator[str]) -> dict[str, Any]:
 
 
 async def test_drain_on_sigterm_finishes_in_flight_then_exits_zero(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
-    # Two in flight at SIGTERM: a 300-token stream that must finish whole, and an endless one that
+    # Two in flight at SIGTERM: a 120-token stream that must finish whole, and an endless one that
     # holds the drain open (so the probes below certainly happen during it) until the test hangs up.
     env = {"NANOSERVE_DRAIN_TIMEOUT": "120", "NANOSERVE_MAX_SEQS": "2", "NANOSERVE_LOG_FORMAT": "json",
            "NANOSERVE_MAX_NEW_TOKENS": "1000000"}
@@ -40,7 +40,7 @@ async def test_drain_on_sigterm_finishes_in_flight_then_exits_zero(tiny_checkpoi
             endless = {"inputs": "Hi", "parameters": {"max_new_tokens": 1_000_000}}
             async with client.stream("POST", "/generate_stream", json=endless) as holder:
                 await _next_data(holder.aiter_lines())
-                finite = {"inputs": "Hello", "parameters": {"max_new_tokens": 300}}
+                finite = {"inputs": "Hello", "parameters": {"max_new_tokens": 120}}
                 async with client.stream("POST", "/generate_stream", json=finite) as r:
                     lines = r.aiter_lines()
                     events = [await _next_data(lines)]
@@ -58,14 +58,14 @@ async def test_drain_on_sigterm_finishes_in_flight_then_exits_zero(tiny_checkpoi
     assert ready.status_code == 503 and ready.json()["error"]["code"] == "draining"
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert health.status_code == 200  # alive while draining: not a reason to restart the process
-    assert len(events) == 300 and events[-1]["details"]["finish_reason"] == "length"
+    assert len(events) == 120 and events[-1]["details"]["finish_reason"] == "length"
     assert status == 0, logs
     records = [json.loads(line) for line in logs.splitlines() if line.strip()]  # every line is JSON
     messages = [r.get("message", "") for r in records]
     signalled = next(i for i, m in enumerate(messages) if "received SIGTERM: draining" in m)
     assert "drained" in messages[signalled:]
     access = [(i, r) for i, r in enumerate(records)
-              if r["logger"] == "nanoserve.access" and r.get("generated_tokens") == 300]
+              if r["logger"] == "nanoserve.access" and r.get("generated_tokens") == 120]
     assert len(access) == 1
     index, line = access[0]
     assert index > signalled  # it was still in flight when the signal came
