@@ -65,11 +65,13 @@ async def test_drain_on_sigterm_finishes_in_flight_then_exits_zero(tiny_checkpoi
     signalled = next(i for i, m in enumerate(messages) if "received SIGTERM: draining" in m)
     assert "drained" in messages[signalled:]
     access = [(i, r) for i, r in enumerate(records)
-              if r["logger"] == "nanoserve.access" and r.get("generated_tokens") == 120]
+              if r["logger"] == "nanoserve.access" and r.get("finish_reason") == "length"]
     assert len(access) == 1
     index, line = access[0]
     assert index > signalled  # it was still in flight when the signal came
-    assert line["status"] == 200 and line["finish_reason"] == "length" and line["ttft_ms"] > 0
+    assert line["status"] == 200 and line["generated_tokens"] == 120 and line["ttft_ms"] > 0
+    held = [r for r in records if r["logger"] == "nanoserve.access" and r.get("finish_reason") == "cancelled"]
+    assert len(held) == 1 and held[0]["route"] == "/generate_stream"  # the one the client hung up
 
 
 def _port_is_closed(port: int) -> bool:
