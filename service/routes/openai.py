@@ -18,7 +18,7 @@ from model.chat_template import ChatTemplateError, render_chat, template_stop_se
 from service.deps import EngineDep, SettingsDep
 from service.engine.types import SamplingParams
 from service.errors import APIError
-from service.generation import Generation, collect, start_generation
+from service.generation import Generation, check_limits, collect, start_generation
 from service.routes.openai_format import (
     DONE,
     ChatChunks,
@@ -69,19 +69,12 @@ def _sampling_params(body: GenerationRequest, settings: Settings, *, max_tokens:
                      extra_stop: list[str], logprobs: bool, top_n: int) -> SamplingParams:
     """The engine's parameters for a validated request, after the server's limits."""
     limit = max_tokens if max_tokens is not None else settings.default_max_new_tokens
-    param = "max_completion_tokens" if isinstance(body, ChatCompletionRequest) and \
-        body.max_completion_tokens is not None else "max_tokens"
-    if limit > settings.max_new_tokens:
-        raise APIError(422, f"{param}: {limit} is more than this server's limit of {settings.max_new_tokens}",
-                       code="max_tokens_too_large", param=param)
+    chat = isinstance(body, ChatCompletionRequest)
+    named_new = isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None
+    limit_name = "max_completion_tokens" if named_new else "max_tokens"
     stop = body.stop_list()
-    if len(stop) > settings.max_stop_sequences:
-        raise APIError(422, f"stop: {len(stop)} stop sequences, more than this server's limit of "
-                       f"{settings.max_stop_sequences}", code="too_many_stop_sequences", param="stop")
-    if top_n > settings.max_top_n_tokens:
-        name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
-        raise APIError(422, f"{name}: {top_n} is more than this server's limit of "
-                       f"{settings.max_top_n_tokens}", code="too_many_logprobs", param=name)
+    check_limits(settings, max_new_tokens=(limit_name, limit), stop=("stop", stop),
+                 top_n=("top_logprobs" if chat else "logprobs", top_n))
     return SamplingParams(
         max_new_tokens=limit,
         temperature=body.temperature,

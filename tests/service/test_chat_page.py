@@ -179,7 +179,7 @@ def test_errors_are_shown_in_the_transcript(browser: Any, server: ServerProcess)
     page.fill("#prompt", "Hello")
     page.press("#prompt", "Enter")
     page.wait_for_selector(".msg.error", timeout=10_000)
-    assert "422: max_tokens: 5000 is more than this server's limit" in page.inner_text(".msg.error")
+    assert "422: max_tokens is 5000, more than this server's limit" in page.inner_text(".msg.error")
     assert "finish: error" in page.inner_text("#status")
     # Failed after the 200: the stream's `event: error` ends the reply, its message shown.
     failure = {"error": {"message": "generation failed: <b>boom</b>", "type": "server_error",
