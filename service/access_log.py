@@ -24,6 +24,7 @@ from service.engine.types import TokenEvent
 
 log = logging.getLogger("nanoserve.access")
 
+_QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
 # Printable, no spaces or quotes: an id that is safe to echo in headers and logs.
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
@@ -123,7 +124,10 @@ class RequestContextMiddleware:
             route = scope.get("route")
             record.route = getattr(route, "path", None) or record.route
             fields = record.fields(time.perf_counter() - arrival)
-            log.info(" ".join(f"{k}={v}" for k, v in fields.items()), extra={"fields": fields})
+            # Successful probes and scrapes come every few seconds: debug level, not noise at info.
+            quiet = record.path in _QUIET_PATHS and record.status < 400
+            message = " ".join(f"{k}={v}" for k, v in fields.items())
+            log.log(logging.DEBUG if quiet else logging.INFO, message, extra={"fields": fields})
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

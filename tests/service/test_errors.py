@@ -204,3 +204,11 @@ async def test_one_access_log_line_per_request(client: AppClient, caplog: pytest
     assert 0 < fields["ttft_ms"] <= fields["duration_ms"]
     parsed = json.loads(JsonFormatter().format(lines[0]))  # --log-format json: one object per line
     assert parsed["request_id"] == "log-me-1" and parsed["generated_tokens"] == 3
+
+
+async def test_probes_are_logged_at_debug_level(client: AppClient, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="nanoserve.access"):
+        await client.get("/ready")
+        await client.get("/nope")
+    levels = {rec.fields["route"]: rec.levelno for rec in caplog.records if rec.name == "nanoserve.access"}  # type: ignore[attr-defined]
+    assert levels == {"/ready": logging.DEBUG, "/nope": logging.INFO}
