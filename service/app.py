@@ -2,8 +2,9 @@
 
 Layout of a request (outermost first): RequestContextMiddleware (arrival time, X-Request-Id,
 access log) -> CORS (only when origins are configured) -> the metrics middleware -> DrainGate
-(503 while shutting down) -> BodyLimitMiddleware (413) -> FastAPI (auth dependency app-wide,
-routes, the shared error handlers of service/errors.py).
+(503 while shutting down) -> BodyLimitMiddleware (413) -> FastAPI (the API-key dependency
+app-wide when keys are set, routes, the shared error handlers of service/errors.py).
+The OpenAPI document is completed by service/api_docs.py (shared error statuses, SSE events).
 
 Integration points for other modules:
 
@@ -14,7 +15,7 @@ Integration points for other modules:
    `settings: SettingsDep` (service/deps.py, re-exported here), and run generations through
    service/generation.py (`start_generation`, `collect`) and service/sse.py (`event_stream`),
    so limits, metrics, the access log, keep-alives, disconnects and error events behave the same
-   on every route.
+   on every route. Document a streamed 200 with `api_docs.sse_response_doc(description, Model)`.
 2. Metrics. `service.metrics.Metrics` (one per app, `app.state.metrics`): its `observer` is passed
    to the Engine, `bind_engine(engine)` after the engine is built, `install(app)` adds the HTTP
    middleware, `track_stream(stream, route, arrival)` wraps every generation (done by
