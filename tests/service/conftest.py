@@ -13,6 +13,8 @@ from tests.service.server import ServerProcess, running_server
 OPENAI_API_KEY = "openai-and-chat-page-tests"
 OPENAI_MAX_NEW_TOKENS = 4096
 OPENAI_MAX_STOP_SEQUENCES = 4
+# Test-build fault: a prompt containing this gets NaN logits, so its generation fails in the engine.
+FAULT_MARKER = "FAULT-MARKER"
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +28,7 @@ def openai_server(tiny_checkpoint: Path) -> Iterator[ServerProcess]:
         "NANOSERVE_MAX_STOP_SEQUENCES": str(OPENAI_MAX_STOP_SEQUENCES),
         "NANOSERVE_MAX_SEQS": "4",
         "NANOSERVE_DRAIN_TIMEOUT": "2",
+        "NANOSERVE_FAULT_INJECTION": f"nan:{FAULT_MARKER}",
     }
     with running_server(tiny_checkpoint, env=env) as server:
         yield server

@@ -22,6 +22,7 @@ from model.checkpoint import Checkpoint, load_checkpoint
 from model.gpt import GPT
 from model.reference import reference_generate
 from tests.service.conftest import (
+    FAULT_MARKER,
     OPENAI_API_KEY,
     OPENAI_MAX_NEW_TOKENS,
     OPENAI_MAX_STOP_SEQUENCES,
@@ -239,3 +240,19 @@ def test_closing_a_stream_frees_its_slot(client: openai.OpenAI, server: ServerPr
         time.sleep(0.1)
     assert metric_value(metrics, cancelled) == before + 1
     assert "nanoserve_running_sequences 0.0" in metrics
+
+
+def test_a_failed_generation_surfaces_as_an_sdk_error(client: openai.OpenAI, server: ServerProcess) -> None:
+    messages: Any = [{"role": "user", "content": f"{FAULT_MARKER} please"}]
+    with pytest.raises(openai.InternalServerError, match="generation failed"):
+        client.chat.completions.create(model="tiny-test", messages=messages, max_tokens=5)
+    # After the 200 the failure is an `event: error`, which the SDK raises with our message and code.
+    with pytest.raises(openai.APIError, match="non-finite logits") as info:
+        for _ in client.chat.completions.create(model="tiny-test", messages=messages, max_tokens=5,
+                                                stream=True):
+            pass
+    assert isinstance(info.value.body, dict) and info.value.body["code"] == "generation_error"
+    assert httpx.get(server.base_url + "/ready", timeout=5).status_code == 200
+    ok = client.chat.completions.create(model="tiny-test", messages=[{"role": "user", "content": "hi"}],
+                                        max_tokens=3, temperature=0)
+    assert ok.choices[0].finish_reason in ("length", "stop")
