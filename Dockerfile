@@ -23,6 +23,8 @@ RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.tom
         > /requirements.txt
 
 # ------------------------------------------------ deps: a venv with torch and the dependencies
+# Also the runtime's base (below), so the 1.2 GB venv is never copied between stages: with a layer
+# cache, checking a `COPY --from` of it means hashing all of it on every build.
 FROM ${BASE_IMAGE} AS deps
 
 # TORCH_SPEC: which torch release. TORCH_INDEX (optional): an extra wheel index to take it from, e.g.
@@ -32,33 +34,31 @@ FROM ${BASE_IMAGE} AS deps
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX=""
 ARG WHEELS_DIR=/opt/wheels
-
-ENV PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PIP_DEFAULT_TIMEOUT=180 \
-    PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
-    PIP_FIND_LINKS=${WHEELS_DIR}
+# Build-time pip settings: ARGs reach RUN's environment but, unlike ENV, stay out of the image.
+ARG PIP_DISABLE_PIP_VERSION_CHECK=1
+ARG PIP_DEFAULT_TIMEOUT=180
+ARG PIP_CERT=/etc/ssl/certs/ca-certificates.crt
+ARG PIP_FIND_LINKS=${WHEELS_DIR}
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
 # hadolint ignore=DL3013  # pinned: TORCH_SPEC is an exact version (torch==X.Y.Z), hadolint cannot see through the arg
-RUN pip install ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} "$TORCH_SPEC" \
+RUN pip install --no-cache-dir ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} "$TORCH_SPEC" \
     && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 COPY --from=requirements /requirements.txt /tmp/requirements.txt
-RUN pip install -r /tmp/requirements.txt
+RUN pip install --no-cache-dir -r /tmp/requirements.txt
 
 # ------------------------------------------------ app: the project's own code, outside the venv
-# Installed into its own folder, so a code change rebuilds a small layer and never re-copies the
-# venv (about 1.2 GB with torch) into the runtime image.
+# Installed into its own folder, so a code change rebuilds one small layer of the runtime image.
 FROM deps AS app
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY model/ model/
 COPY service/ service/
 # setuptools came with torch, so no isolated build environment is downloaded.
-RUN pip install --no-deps --no-build-isolation --target /opt/app . \
+RUN pip install --no-cache-dir --no-deps --no-build-isolation --target /opt/app . \
     && PYTHONPATH=/opt/app python -c "import model.gpt, service.cli"
 
 # ------------------------------------------------ assets: the default checkpoint and the health check
@@ -69,8 +69,8 @@ COPY checkpoints/shakespeare-char/ /opt/checkpoints/shakespeare-char/
 COPY deploy/image/healthcheck.py /opt/nanoserve/healthcheck.py
 RUN chmod -R a+rX /opt/checkpoints /opt/nanoserve
 
-# ------------------------------------------------ runtime: base + venv + checkpoint + code, nothing else
-FROM ${BASE_IMAGE}
+# ------------------------------------------------ runtime: the venv + checkpoint + code, nothing else
+FROM deps
 
 LABEL org.opencontainers.image.title="nanoserve" \
       org.opencontainers.image.description="HTTP text-generation server for small GPT models" \
@@ -80,15 +80,13 @@ LABEL org.opencontainers.image.title="nanoserve" \
 RUN groupadd --system --gid 10001 nanoserve \
     && useradd --no-log-init --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin nanoserve
 
-# Slowest-changing first: the venv (torch), the checkpoint, then the code.
-COPY --from=deps /opt/venv /opt/venv
+# The checkpoint changes more rarely than the code, which comes last (below).
 COPY --from=assets /opt/checkpoints /opt/checkpoints
 COPY --from=assets /opt/nanoserve /opt/nanoserve
-COPY --from=app /opt/app /opt/app
 
 # Everything the process may write goes to /tmp, so the root file system can be read-only
 # (Kubernetes mounts an emptyDir there). Bytecode was compiled by pip at build time.
-ENV PATH=/opt/app/bin:/opt/venv/bin:$PATH \
+ENV PATH=/opt/app/bin:$PATH \
     PYTHONPATH=/opt/app \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -111,3 +109,7 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
 # Exec form: the server is PID 1 and receives SIGTERM itself, then drains in-flight requests.
 ENTRYPOINT ["nanoserve"]
 CMD ["serve"]
+
+# Last, because it changes most often: a code change rebuilds only this small layer (files stay
+# root-owned and read-only to the server's user; COPY ignores USER).
+COPY --from=app /opt/app /opt/app
