@@ -6,8 +6,8 @@ ended without its final event), ended by a server `event: error`, a transport fa
 disconnected on purpose (`disconnect_after`). Latencies are measured from the moment the request is
 sent, so time spent queued in the server counts towards time to first token.
 
-    python bench/load.py --url http://127.0.0.1:8000 -c 16 -n 200 --max-new-tokens 64
-    python bench/load.py --url http://127.0.0.1:8000 -c 8 --duration 30 --route chat --json
+    .venv/bin/python bench/load.py --url http://127.0.0.1:8000 -c 16 -n 200 --max-new-tokens 64
+    .venv/bin/python bench/load.py --url http://127.0.0.1:8000 -c 8 --duration 30 --route chat --json
 
 Importable: `run_load(LoadConfig(...))` returns a `LoadReport` whose `results` keep every request's
 stream as the client saw it, so tests can compare them with the server's own counters.
