@@ -9,9 +9,12 @@ beyond RSS_GROWTH_BOUND.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 
-from bench.load import LoadConfig, LoadReport, run_load
+import pytest
+
+from bench.load import LoadConfig, LoadReport, main, run_load
 from tests.reliability.conftest import SHARED_MAX_QUEUE
 from tests.reliability.observe import Sample, rss_bytes, scrape, total, wait_until
 from tests.service.server import ServerProcess
@@ -104,3 +107,16 @@ def test_chat_route_streams_complete(shared_server: ServerProcess) -> None:
         assert r.kind == "ok" and not r.malformed, r
         # usage.completion_tokens; a delta can carry two tokens when one was held back.
         assert r.details_tokens == 16 and 0 < r.tokens <= 16 and r.finish_reason == "length", r
+
+
+def test_cli_against_the_real_server(
+    shared_server: ServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a user runs: `bench/load.py --json` exits 0 and its figures add up."""
+    code = main(["--url", shared_server.base_url, "-c", "4", "-n", "8", "--max-new-tokens", "8",
+                 "--seed", "1", "--json", "--per-request"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0 and summary["outcomes"] == {"ok": 8}
+    assert summary["tokens_generated"] == 64 and summary["tokens_per_s"] > 0
+    assert all(summary[k]["p50"] is not None for k in ("ttft_s", "itl_s", "e2e_s"))
+    assert [r["details_tokens"] for r in summary["results"]] == [8] * 8
