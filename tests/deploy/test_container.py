@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -191,3 +192,14 @@ def test_missing_checkpoint_exits_nonzero_with_one_clear_line(image: str) -> Non
     assert result.returncode != 0
     assert "/models/nope" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_healthcheck_script_fails_when_nothing_answers() -> None:
+    """The HEALTHCHECK script itself (no podman needed): unhealthy when the port is closed."""
+    port = free_port()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "deploy" / "image" / "healthcheck.py")], capture_output=True, text=True,
+        timeout=30, env={**os.environ, "NANOSERVE_HOST": "0.0.0.0", "NANOSERVE_PORT": str(port)},
+    )
+    assert result.returncode == 1
+    assert f"http://127.0.0.1:{port}/ready" in result.stderr
