@@ -1,9 +1,10 @@
 """The FastAPI application: `create_app(settings)` builds it; the lifespan loads the model.
 
 Layout of a request (outermost first): RequestContextMiddleware (arrival time, X-Request-Id,
-access log) -> CORS (only when origins are configured) -> the metrics middleware -> DrainGate
-(503 while shutting down) -> BodyLimitMiddleware (413) -> FastAPI (the API-key dependency
-app-wide when keys are set, routes, the shared error handlers of service/errors.py).
+access log) -> CORS (only when origins are configured) -> the metrics middleware ->
+HeaderLimitMiddleware (431) -> DrainGate (503 while shutting down) -> BodyLimitMiddleware (413)
+-> FastAPI (the API-key dependency app-wide when keys are set, routes, the shared error handlers
+of service/errors.py).
 The OpenAPI document is completed by service/api_docs.py (shared error statuses, SSE events).
 
 Integration points for other modules:
@@ -43,7 +44,7 @@ from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.errors import install_error_handlers
 from service.metrics import Metrics
-from service.request_guard import BodyLimitMiddleware, DrainGate
+from service.request_guard import BodyLimitMiddleware, DrainGate, HeaderLimitMiddleware
 from service.settings import Settings
 
 log = logging.getLogger("nanoserve.app")
@@ -155,6 +156,8 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     # add_middleware wraps: the last one added is the outermost.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(DrainGate, is_draining=app.state.lifecycle.is_draining)
+    app.add_middleware(HeaderLimitMiddleware, max_bytes=settings.max_header_bytes,
+                       max_count=settings.max_headers)
     app.state.metrics.install(app)
     if settings.cors_origins:
         app.add_middleware(

@@ -1,4 +1,4 @@
-"""Limits applied before a route runs: request body size (413) and draining (503).
+"""Limits applied before a route runs: header size (431), body size (413) and draining (503).
 
 Both are ASGI middleware rather than dependencies so they cover every route, including the ones
 other modules add, and so an over-long body is refused while it streams in, not after buffering it.
@@ -14,6 +14,35 @@ from service.errors import APIError, error_response
 
 # Probes and scrapes keep answering while the server drains.
 ALWAYS_OPEN = frozenset({"/health", "/ready", "/metrics"})
+
+
+class HeaderLimitMiddleware:
+    """Refuse requests whose headers are too many or too large in total with 431.
+
+    uvicorn's default parser accepts headers of any size and number, so without this a client could
+    make every request hold megabytes of header memory.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, max_count: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.max_count = max_count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = scope.get("headers", [])
+            size = sum(len(k) + len(v) + 4 for k, v in headers)  # "name: value\r\n"
+            problem = None
+            if len(headers) > self.max_count:
+                problem = f"request has {len(headers)} headers, more than the limit of {self.max_count}"
+            elif size > self.max_bytes:
+                problem = f"request headers total {size} bytes, more than the limit of {self.max_bytes}"
+            if problem is not None:
+                response = error_response(431, problem, code="headers_too_large",
+                                          headers={"Connection": "close"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class BodyLimitMiddleware:

@@ -100,11 +100,15 @@ def test_body_limit_holds_without_content_length(client: httpx.Client) -> None:
     assert client.get("/health").status_code == 200
 
 
-@pytest.mark.xfail(strict=True, reason="uvicorn's httptools parser has no header size/count limit; "
-                   "nanoserve serve sets none (see docs/reliability.md)")
 def test_oversized_headers_are_refused(client: httpx.Client) -> None:
     r = client.get("/health", headers={"X-Filler": "a" * (1 << 20)})
-    assert r.status_code in (400, 413, 431)
+    assert r.status_code == 431
+    assert "more than the limit" in r.json()["error"]["message"]
+    many = {f"X-H{i}": "1" for i in range(200)}
+    r = client.get("/health", headers=many)
+    assert r.status_code == 431
+    assert "headers, more than the limit of 100" in r.json()["error"]["message"]
+    assert client.get("/health").status_code == 200
 
 
 def test_untrusted_input_is_never_echoed_as_html(client: httpx.Client) -> None:
