@@ -9,6 +9,12 @@ import pytest
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
+# One torch thread for the test process and every server it starts (subprocesses inherit this):
+# the tests' models are tiny, and a test process plus a server process each spinning two threads on
+# a 2-core machine made single forwards tens of times slower. Set before torch is first imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 
 def require_tool(name: str, why: str = "") -> str:
     """Path of a system tool; skips the test when it is missing (fails instead under CI=true)."""
