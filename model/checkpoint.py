@@ -12,6 +12,7 @@ and a failure names the file and the exact mismatch.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,16 +157,24 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
+def name_mismatch(expected: Iterable[str], found: Iterable[str]) -> str | None:
+    """"missing tensor(s): ..." or "unexpected tensor(s): ...", or None when the names agree."""
+    missing = sorted(set(expected) - set(found))
+    extra = sorted(set(found) - set(expected))
+    if missing:
+        return f"missing tensor(s): {', '.join(missing)}"
+    if extra:
+        return f"unexpected tensor(s): {', '.join(extra)}"
+    return None
+
+
 def _check_tensors(
     weights_path: Path, tensors: dict[str, torch.Tensor], config: GPTConfig, dtype: str
 ) -> None:
     expected = expected_tensors(config)
-    missing = sorted(set(expected) - set(tensors))
-    extra = sorted(set(tensors) - set(expected))
-    if missing:
-        raise CheckpointError(f"{weights_path}: missing tensor(s): {', '.join(missing)}")
-    if extra:
-        raise CheckpointError(f"{weights_path}: unexpected tensor(s): {', '.join(extra)}")
+    problem = name_mismatch(expected, tensors)
+    if problem:
+        raise CheckpointError(f"{weights_path}: {problem}")
     for name, (shape, _) in expected.items():
         t = tensors[name]
         if tuple(t.shape) != shape:

@@ -20,7 +20,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from model.checkpoint import Checkpoint, expected_tensors, read_json_object, save_checkpoint
+from model.checkpoint import (
+    Checkpoint,
+    expected_tensors,
+    name_mismatch,
+    read_json_object,
+    save_checkpoint,
+)
 from model.config import GPTConfig
 from model.tokenizer import BPETokenizer, Tokenizer, tokenizer_from_json
 
@@ -262,12 +268,9 @@ def _to_our_names(
             t = t.t()
         ours[name] = t.contiguous()
     expected = expected_tensors(config)
-    missing = sorted(set(expected) - set(ours))
-    extra = sorted(set(ours) - set(expected))
-    if missing:
-        raise HFConversionError(f"{source}: missing tensor(s): {', '.join(missing)}")
-    if extra:
-        raise HFConversionError(f"{source}: unexpected tensor(s): {', '.join(extra)}")
+    problem = name_mismatch(expected, ours)
+    if problem:
+        raise HFConversionError(f"{source}: {problem}")
     for name, (shape, _) in expected.items():
         if tuple(ours[name].shape) != shape:
             got = list(ours[name].shape)
