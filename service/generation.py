@@ -86,13 +86,16 @@ async def start_generation(
     limit = request.app.state.settings.max_prompt_tokens
     if not prompt:
         raise APIError(422, f"{param} must not be empty", code="empty_prompt", param=param)
-    n_tokens = len(await encode(engine, prompt, param)) if isinstance(prompt, str) else len(prompt)
+    # Encode once, off the event loop, and hand the engine the ids: it would otherwise encode the
+    # text again, on the loop.
+    ids = await encode(engine, prompt, param) if isinstance(prompt, str) else prompt
+    n_tokens = len(ids)
     if n_tokens > limit:
         raise APIError(422, f"{param} has {n_tokens} tokens, more than this server's limit of {limit}",
                        code="prompt_too_long", param=param)
     record = record_of(request)
     try:
-        stream = await engine.generate(prompt, params, request_id=record.request_id)
+        stream = await engine.generate(ids, params, request_id=record.request_id)
     except InvalidRequest as exc:
         exc.param = exc.param or param
         raise
