@@ -123,6 +123,11 @@ async def _recorded(events: AsyncIterator[TokenEvent], request: Request) -> Asyn
     finally:
         if record.finish_reason is None:  # closed before its last event: the client went away
             record.finish_reason = FinishReason.CANCELLED.value
+        # Close the metrics wrapper now, so a cancellation is counted deterministically rather than
+        # whenever the garbage collector finalizes it.
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 async def _wait_for_disconnect(request: Request) -> None:
