@@ -142,7 +142,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run training; returns the provenance written into the checkpoint."""
     rank = _setup_distributed(cfg.device)
     try:
-        return _train(cfg, rank)
+        result = _train(cfg, rank)
+        if dist.is_initialized():
+            # Leave together: rank 0 still writes the card and sample after the last collective,
+            # and a rank tearing gloo down while its peer still holds the connection can abort
+            # ("terminate called without an active exception", seen once in CI).
+            dist.barrier()
+        return result
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
