@@ -41,13 +41,11 @@ class LayerKVCache(nn.Module):
         self, slot_idx: torch.Tensor, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Store new keys/values (B, nh, T, hs) at each row's slot and positions."""
-        b, nh, t, _ = k.shape
-        # Scatter each row's T new entries at its own positions: index_put with (slot, head, pos).
-        rows = slot_idx.view(b, 1, 1).expand(b, nh, t)
-        heads = torch.arange(nh, device=k.device).view(1, nh, 1).expand(b, nh, t)
-        pos = input_pos.view(b, 1, t).expand(b, nh, t)
-        self.k.index_put_((rows, heads, pos), k.to(self.k.dtype))
-        self.v.index_put_((rows, heads, pos), v.to(self.v.dtype))
+        # Scatter each row's T new entries at its own positions: (slot, pos) pairs broadcast to
+        # (B, T), all heads at once; the indexed result is laid out (B, T, nh, hs).
+        rows = slot_idx.view(-1, 1)
+        self.k[rows, :, input_pos] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[rows, :, input_pos] = v.transpose(1, 2).to(self.v.dtype)
 
 
 class KVCache(nn.Module):

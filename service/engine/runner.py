@@ -15,9 +15,7 @@ from model.gpt import GPT
 from model.sampling import SamplingBatch, sample_tokens, seeded_uniform, token_logprobs
 from service.engine.kv_slots import SpanKVCache
 from service.engine.request import Request
-
-# Below this many parameter-tokens per forward (about 2 FLOPs each) one CPU thread is faster.
-SINGLE_THREAD_WORK = 200_000_000
+from service.engine.threads import ThreadTuner
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +65,11 @@ class ModelRunner:
         # which tokens the context holds (repetition) and how often each was generated (OpenAI).
         self.seen = torch.zeros(slots, self.vocab, dtype=torch.bool, device=self.device)
         self.counts = torch.zeros(slots, self.vocab, dtype=torch.int32, device=self.device)
-        # CPU threads per forward: a small forward (few tokens through a small model) spends more
-        # on waking and joining OpenMP threads than it saves, so it runs on one thread; larger
-        # ones use all the threads torch was given. Measured on a 2-core machine, 10.7M model,
-        # greedy, 128 new tokens (noisy runs): batch 1 went from 86-99 to 100-130 tok/s and
-        # batch 8 from 590-682 to 655-735, while batch 32 stays on both threads (~1400 tok/s;
-        # on one thread it fell to 1115).
-        self.max_threads = torch.get_num_threads()
-        self.params = sum(p.numel() for p in model.parameters())
+        # CPU threads per forward: measured per forward size, see threads.py. Deterministic
+        # mode keeps one fixed count (a different count may change the kernels' rounding).
+        self.threads = ThreadTuner(
+            torch.get_num_threads(), enabled=self.device.type == "cpu" and not deterministic
+        )
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, items: list[WorkItem]) -> tuple[dict[int, torch.Tensor], dict[int, str]]:
@@ -122,20 +117,14 @@ class ModelRunner:
         slot_list = [item.req.slot for item in items]
         slots = torch.tensor(slot_list, dtype=torch.long, device=self.device)
         self.cache.prepare(slot_list, [item.start + t for item in items])
-        self._set_threads(len(items) * t)
+        self.threads.begin(len(items) * t)
         logits = self.model(idx, input_pos=pos, cache=self.cache, slots=slots, last_only=True)[:, -1, :]
+        self.threads.end()
         nan_rows = [j for j, item in enumerate(items) if item.req.fault == "nan"]
         if nan_rows:
             logits = logits.clone()
             logits[nan_rows] = float("nan")
         return logits  # (G, V)
-
-    def _set_threads(self, tokens: int) -> None:
-        if self.device.type != "cpu" or self.max_threads == 1:
-            return
-        want = 1 if tokens * self.params < SINGLE_THREAD_WORK else self.max_threads
-        if torch.get_num_threads() != want:
-            torch.set_num_threads(want)
 
     # ---- penalty state -------------------------------------------------------------------
     def reset_slot(self, req: Request) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import GPTConfig
+import model.gpt as gpt_module
 from model.gpt import GPT
 from model.reference import reference_generate
 from model.tokenizer import CharTokenizer
@@ -42,13 +43,19 @@ def test_last_only_returns_the_last_positions_logits(model: GPT) -> None:
     torch.testing.assert_close(last, full[:, -1:], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("decode_path", ["fused", "matmul"])
 @torch.no_grad()
-def test_cached_logits_match_uncached_over_prefill_and_many_decode_steps(model: GPT) -> None:
+def test_cached_logits_match_uncached_over_prefill_and_many_decode_steps(
+    model: GPT, decode_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Three sequences at different positions in non-matching slots, decoded as one batch.
 
     Slot 2 first holds a longer, unrelated sequence: its stale keys beyond the new sequence's
     positions must be masked out. One prompt is prefilled in two chunks, as chunked prefill does.
+    Both one-token attention paths are checked (the matmul one normally starts at 8 rows).
     """
+    if decode_path == "matmul":
+        monkeypatch.setattr(gpt_module, "DECODE_MATMUL_ROWS", 1)
     gen = torch.Generator().manual_seed(3)
     cache = model.new_cache(slots=3)
     stale = torch.randint(0, 50, (1, 60), generator=gen)

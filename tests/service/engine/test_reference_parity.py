@@ -45,15 +45,17 @@ async def test_shift_keep_setting(make_engine: EngineFactory, lively: Checkpoint
     assert engine.stats().extra["context_shifts_total"] >= 2
 
 
+@pytest.mark.parametrize("slots", [4, 12])
 async def test_many_concurrent_requests_join_and_leave(
-    make_engine: EngineFactory, lively: Checkpoint
+    make_engine: EngineFactory, lively: Checkpoint, slots: int
 ) -> None:
     """More requests than slots, different lengths and limits, staggered arrivals: requests join
-    a running batch and leave it mid-way, and each still equals its reference."""
-    engine = make_engine(max_seqs=4, prefill_budget=8, max_queue=64)
+    a running batch and leave it mid-way, and each still equals its reference. With 12 slots
+    decode batches reach the large-batch attention path (model.gpt.DECODE_MATMUL_ROWS)."""
+    engine = make_engine(max_seqs=slots, prefill_budget=8, max_queue=64)
     rng = random.Random(1)
     jobs = []
-    for i in range(10):
+    for i in range(10 + slots):
         prompt = "".join(rng.choice("abcdefgh ,.XYZ") for _ in range(rng.randint(1, 40)))
         jobs.append((prompt, rng.randint(1, 45), i * 0.01))
 

@@ -1,0 +1,97 @@
+"""The thread tuner measures both thread counts per forward size and keeps the faster one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import service.engine.threads as threads_module
+from service.engine.threads import SAMPLES, ThreadTuner
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeClock]:
+    fake = FakeClock()
+    monkeypatch.setattr(threads_module, "time", SimpleNamespace(perf_counter=fake.perf_counter))
+    before = torch.get_num_threads()
+    yield fake
+    torch.set_num_threads(before)
+
+
+def run(tuner: ThreadTuner, clock: FakeClock, tokens: int, cost: dict[int, float]) -> int:
+    """One forward of `tokens` tokens that takes cost[threads] seconds; returns the threads used."""
+    tuner.begin(tokens)
+    used = torch.get_num_threads()
+    clock.now += cost[used]
+    tuner.end()
+    return used
+
+
+def test_alternates_then_keeps_the_faster_count_per_size(clock: FakeClock) -> None:
+    tuner = ThreadTuner(2)
+    small = {1: 0.004, 2: 0.007}  # one thread wins for small forwards
+    large = {1: 0.030, 2: 0.018}  # both threads win for large ones
+    used = [run(tuner, clock, 1, small) for _ in range(2 * SAMPLES)]
+    assert sorted(used) == [1] * SAMPLES + [2] * SAMPLES  # measured both, equally
+    assert tuner.choices() == {1: 1}
+    assert {run(tuner, clock, 1, small) for _ in range(20)} == {1}
+    for _ in range(2 * SAMPLES):
+        run(tuner, clock, 64, large)
+    assert tuner.choices() == {1: 1, 64: 2}
+    assert {run(tuner, clock, 50, large) for _ in range(5)} == {2}  # 50 tokens round up to 64
+
+
+def test_one_slow_outlier_does_not_decide(clock: FakeClock) -> None:
+    tuner = ThreadTuner(2)
+    first = True
+    for _ in range(2 * SAMPLES):
+        tuner.begin(8)
+        used = torch.get_num_threads()
+        clock.now += 0.5 if (used == 2 and first) else (0.010 if used == 2 else 0.012)
+        first = first and used != 2
+        tuner.end()
+    assert tuner.choices() == {8: 2}
+
+
+def test_remeasures_after_a_while(clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(threads_module, "RETUNE_AFTER", 10)
+    tuner = ThreadTuner(2)
+    for _ in range(2 * SAMPLES):
+        run(tuner, clock, 4, {1: 0.001, 2: 0.002})
+    assert tuner.choices() == {4: 1}
+    for _ in range(10):
+        run(tuner, clock, 4, {1: 0.001, 2: 0.002})
+    # The machine changed (say another process left): the next measurement picks 2 threads.
+    for _ in range(2 * SAMPLES + 1):
+        run(tuner, clock, 4, {1: 0.003, 2: 0.001})
+    assert tuner.choices() == {4: 2}
+
+
+def test_a_failed_forward_is_not_counted(clock: FakeClock) -> None:
+    tuner = ThreadTuner(2)
+    tuner.begin(1)
+    clock.now += 100.0  # raised: end() never runs
+    for _ in range(2 * SAMPLES):
+        run(tuner, clock, 1, {1: 0.002, 2: 0.001})
+    assert tuner.choices() == {1: 2}
+
+
+def test_disabled_with_one_thread_or_when_asked(clock: FakeClock) -> None:
+    for tuner in (ThreadTuner(1), ThreadTuner(2, enabled=False)):
+        torch.set_num_threads(1)
+        for _ in range(3 * SAMPLES):
+            tuner.begin(1)
+            tuner.end()
+        assert tuner.choices() == {}
+        assert torch.get_num_threads() == 1
