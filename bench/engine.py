@@ -135,7 +135,9 @@ def bench_engine(
 
     async def go() -> float:
         await engine.warmup()
-        await _engine_run(engine, prompts[:conc], 4, params)  # warm this batch size's shapes
+        # Warm this batch size's shapes, and give the thread tuner (service/engine/threads.py)
+        # its first measurements: a long-running server has them after its first few steps.
+        await _engine_run(engine, prompts[:conc], 16, params)
         times.decode.clear()
         elapsed = await _engine_run(engine, prompts[:conc], new, params)
         await engine.shutdown(0.0)

@@ -60,6 +60,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_seqs=settings.max_seqs,
         max_queue=settings.max_queue,
         prefill_budget=settings.prefill_budget,
+        idle_prefill_budget=settings.idle_prefill_budget,
         crop_policy=settings.crop_policy,
         shift_keep=settings.shift_keep,
         reject_long_prompts=settings.reject_long_prompts,

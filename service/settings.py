@@ -48,6 +48,10 @@ class Settings(BaseSettings):
     max_seqs: int = Field(default=16, ge=1, le=4096, description="KV slots = max concurrent sequences.")
     max_queue: int = Field(default=64, ge=1, description="Waiting requests beyond which new ones get 429.")
     prefill_budget: int = Field(default=256, ge=1, description="Prompt tokens prefilled per engine step.")
+    idle_prefill_budget: int = Field(
+        default=2048, ge=1,
+        description="Prompt tokens prefilled per engine step while no sequence is decoding.",
+    )
     crop_policy: Literal["shift", "sliding"] = Field(
         default="shift", description="Past the window: shift (amortized) or sliding (nanoGPT's)."
     )

@@ -18,6 +18,9 @@ class EngineConfig:
     max_seqs: int = 16  # KV slots = max concurrent running sequences
     max_queue: int = 64  # waiting requests beyond which generate() raises Overloaded
     prefill_budget: int = 256  # prompt tokens prefilled per step (chunked prefill)
+    # Prompt tokens per step when no sequence is decoding: nobody's next token waits on the step,
+    # so more prompts are prefilled at once (still cut into prefill_budget-sized chunks).
+    idle_prefill_budget: int = 2048
     crop_policy: str = "shift"  # shift (amortized, default) | sliding (exactly nanoGPT)
     shift_keep: int | None = None  # tokens kept on a context shift (default: window // 2)
     reject_long_prompts: bool = False  # True: PromptTooLong instead of cropping
@@ -40,7 +43,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.dtype == "float16" and self.resolved_device() == "cpu":
             raise ValueError("dtype float16 is only supported on a GPU; use bfloat16 or float32 on CPU")
-        for name in ("max_seqs", "max_queue", "prefill_budget"):
+        for name in ("max_seqs", "max_queue", "prefill_budget", "idle_prefill_budget"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

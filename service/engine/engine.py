@@ -224,6 +224,7 @@ class Engine:
             "max_seqs": self.config.max_seqs,
             "max_queue": self.config.max_queue,
             "prefill_budget": self.config.prefill_budget,
+            "idle_prefill_budget": self.config.idle_prefill_budget,
             "crop_policy": self.config.crop_policy,
             "shift_keep": self.config.keep_tokens(self.window),
             "reject_long_prompts": self.config.reject_long_prompts,

@@ -96,10 +96,15 @@ class Scheduler:
         """Decode rows (one pending token) always run; prompt chunks run FIFO within the budget.
 
         A chunk is min(pending, prefill_budget) whatever else runs, so a request is cut into the
-        same chunks alone or batched (the first chunk of a step always fits the budget).
+        same chunks alone or batched (the first chunk of a step always fits the budget). When no
+        row decodes, the step's budget is the larger idle one: a burst of prompts is prefilled
+        in one forward instead of a few, and nobody's next token waits for it.
         """
         items: list[WorkItem] = []
+        decoding = any(req.pending == 1 for req in self.running)
         budget = self.config.prefill_budget
+        if not decoding:  # never below the normal budget, so the first chunk always fits
+            budget = max(budget, self.config.idle_prefill_budget)
         for req in self.running:
             pending = req.pending
             if pending == 1:

@@ -24,6 +24,7 @@ import torch
 
 SAMPLES = 5  # forwards timed per candidate before choosing
 RETUNE_AFTER = 4000  # forwards of one size between re-measurements
+PRIOR_MANY_THREADS = 64  # forward sizes from which all threads are tried first
 
 
 @dataclass
@@ -64,7 +65,10 @@ class ThreadTuner:
             threads = state.choice
             state.since_choice += 1
         else:
-            threads = self.candidates[state.turn % len(self.candidates)]
+            # Alternate, starting from the likelier winner: a one-off large forward (a burst's
+            # prefill) may never be measured twice, so its first try should be the good guess.
+            order = self.candidates if size < PRIOR_MANY_THREADS else self.candidates[::-1]
+            threads = order[state.turn % len(order)]
             state.turn += 1
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)

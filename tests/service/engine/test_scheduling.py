@@ -183,3 +183,28 @@ async def test_dropping_a_stream_without_closing_it_frees_the_slot(make_engine: 
         break
     del stream
     await wait_for(lambda: engine.stats().slots_used == 0)
+
+
+def _planner(prefill_budget: int, idle_prefill_budget: int, pending: list[int]) -> list[tuple[int, int]]:
+    """Plan one step for requests with these pending token counts; (request index, chunk) pairs."""
+    from types import SimpleNamespace
+
+    from service.engine.config import EngineConfig
+    from service.engine.scheduler import Scheduler
+
+    config = EngineConfig(prefill_budget=prefill_budget, idle_prefill_budget=idle_prefill_budget)
+    scheduler = Scheduler(runner=None, tokenizer=SimpleNamespace(eos_id=None), config=config, window=256)  # type: ignore[arg-type]
+    for i, n in enumerate(pending):
+        ctx = list(range(100 + n))
+        scheduler.running.append(SimpleNamespace(index=i, ctx=ctx, n_cached=100, pending=n))  # type: ignore[arg-type]
+    return [(item.req.index, len(item.tokens)) for item in scheduler.plan()]  # type: ignore[attr-defined]
+
+
+def test_prefill_budget_per_step_and_the_larger_idle_budget() -> None:
+    # Someone decodes: one budget's worth of prompt chunks joins the decode row.
+    assert _planner(8, 32, [1, 8, 8, 8]) == [(0, 1), (1, 8)]
+    # Nobody decodes: up to the idle budget, still in prefill_budget-sized chunks per request.
+    assert _planner(8, 32, [8, 8, 8, 8, 8]) == [(0, 8), (1, 8), (2, 8), (3, 8)]
+    assert _planner(8, 32, [100, 3, 20]) == [(0, 8), (1, 3), (2, 8)]
+    # The first chunk of a step always fits, even if the idle budget is smaller.
+    assert _planner(8, 4, [8, 8]) == [(0, 8)]
