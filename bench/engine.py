@@ -23,7 +23,9 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ from model.gpt import GPT
 from model.tokenizer import CharTokenizer, WordTokenizer
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
+from service.engine.threads import single_threaded_elsewhere
 from service.engine.types import FinishReason, SamplingParams, Usage
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -88,6 +91,27 @@ def prompts_for(ckpt: Checkpoint, n: int, length: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     vocab = ckpt.tokenizer.vocab_size
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def threaded(threads: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run fn(*args) in a fresh thread with `threads` torch threads. The thread, and the OpenMP
+    pool it starts, end with it: a pool left behind in the main thread would slow every later
+    parallel region in the process (service/engine/threads.py), the engine's included."""
+    box: dict[str, Any] = {}
+
+    def body() -> None:
+        torch.set_num_threads(threads)
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # re-raised in the caller
+            box["error"] = e
+
+    worker = threading.Thread(target=body, name="bench-peer")
+    worker.start()
+    worker.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 # ---------------------------------------------------------------------------------- (a) engine
@@ -235,7 +259,7 @@ def run_shape(shape: str, dtype: str, concs: list[int], args: argparse.Namespace
     ckpt = make_checkpoint(shape, dtype)
     model = ckpt.build_model("cpu")
     res = ShapeResult(shape, dtype, model.num_params(non_embedding=False))
-    res.limits = measure_limits(DTYPES[dtype])
+    res.limits = threaded(args.threads, measure_limits, DTYPES[dtype])
     weight_bytes, flops_per_token = model_costs(ckpt.config, DTYPES[dtype])
     res.limits["bound_tps_batch1"] = res.limits["bandwidth_GBps"] * 1e9 / weight_bytes
     res.limits["bound_tps_compute"] = res.limits["matmul_GFLOPs"] * 1e9 / flops_per_token
@@ -247,11 +271,11 @@ def run_shape(shape: str, dtype: str, concs: list[int], args: argparse.Namespace
         # Shared, noisy machines: the engine and HF alternate `repeats` times, best run kept.
         eng_runs, hf_runs = [], []
         for _ in range(args.repeats):
-            eng_runs.append(bench_engine(ckpt, conc, prompts, new, {}))
-            hf_runs.append(bench_hf(hf, conc, prompts, new))
+            eng_runs.append(bench_engine(ckpt, conc, prompts, new, {"cpu_threads": args.threads}))
+            hf_runs.append(threaded(args.threads, bench_hf, hf, conc, prompts, new))
         res.runs.append(max(eng_runs, key=lambda r: r.tps))
         naive_new = new if shape == "10.7M" or conc <= 8 else max(2, new // 4)
-        res.runs.append(bench_naive(model, conc, prompts, naive_new))
+        res.runs.append(threaded(args.threads, bench_naive, model, conc, prompts, naive_new))
         res.runs.append(max(hf_runs, key=lambda r: r.tps))
         llama = bench_llama(hf_dir, ckpt, conc, prompts, new, args.threads)
         if llama is not None:
@@ -295,7 +319,7 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpu": cpu, "cores": os.cpu_count(),
             "torch": torch.__version__, "python": platform.python_version()}
 
 
@@ -312,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--levers", action="store_true", help="also measure each engine lever off/on")
     ap.add_argument("--crop", action="store_true", help="also measure shift vs sliding past the window")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    # Peers run in their own threads with args.threads (threaded()); the engine in its thread.
+    single_threaded_elsewhere()
     concs = [int(c) for c in args.concurrency.split(",")]
     started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_before": load_avg()}
     results = [

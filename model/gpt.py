@@ -72,6 +72,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """
     b, nh, _, hs = q.shape
     s = k.shape[2]
+    if q.dtype != torch.float32:
+        # Reduced-precision batched matmuls copy a strided operand element by element (a cache
+        # span is strided: it stops short of the window); one plain copy first is ~3x cheaper.
+        k, v = k.contiguous(), v.contiguous()
     scores = torch.baddbmm(
         mask.expand(b, nh, 1, s).reshape(b * nh, 1, s).to(q.dtype),
         q.reshape(b * nh, 1, hs), k.reshape(b * nh, s, hs).transpose(1, 2),

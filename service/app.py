@@ -65,6 +65,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         shift_keep=settings.shift_keep,
         reject_long_prompts=settings.reject_long_prompts,
         deterministic=settings.deterministic,
+        cpu_threads=settings.cpu_threads,
         compile=settings.compile,
         fault_injection=settings.fault_injection,
     )

@@ -82,6 +82,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from model.checkpoint import CheckpointError, load_checkpoint
     from service.access_log import configure_logging
     from service.app import create_app, engine_config
+    from service.engine.threads import single_threaded_elsewhere
+
+    # Before the first torch op: only the engine thread may start an OpenMP pool.
+    single_threaded_elsewhere()
 
     try:
         settings = settings_from_args(args)

@@ -58,6 +58,11 @@ class Settings(BaseSettings):
     shift_keep: int | None = Field(default=None, ge=1, description="Tokens kept on a context shift.")
     reject_long_prompts: bool = Field(default=False, description="422 instead of cropping over-long prompts.")
     deterministic: bool = Field(default=False, description="Same tokens alone or batched (slower).")
+    cpu_threads: int | None = Field(
+        default=None, ge=1,
+        description="CPU threads for the model (default: OMP_NUM_THREADS, else every CPU the "
+        "process may use); the rest of the server stays on one.",
+    )
     compile: bool = Field(default=False, description="torch.compile the decode step at warm-up.")
     fault_injection: str | None = Field(
         default=None, description="Test builds only: a fault the engine injects (see the engine's docs)."

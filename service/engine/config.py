@@ -28,6 +28,9 @@ class EngineConfig:
     # max_seqs x max_context tokens, so this bounds its memory for long-context models.
     max_context: int | None = None
     deterministic: bool = False  # every row computed alone: bit-identical alone vs batched
+    # CPU threads the engine thread may use (None: OMP_NUM_THREADS, else every CPU this process
+    # may run on). Other threads stay single-threaded (see threads.py).
+    cpu_threads: int | None = None
     compile: bool = False  # torch.compile the decode step (warm-up compiles it)
     # CPU: run linear layers through oneDNN with weights reordered once (see packed_linear.py).
     packed_linear: bool = True
@@ -51,6 +54,8 @@ class EngineConfig:
             raise ValueError(f"crop_policy must be shift or sliding, got {self.crop_policy!r}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"max_context must be at least 2, got {self.max_context!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be a positive integer, got {self.cpu_threads!r}")
         if self.shift_keep is not None and self.shift_keep < 1:
             raise ValueError(f"shift_keep must be a positive integer, got {self.shift_keep!r}")
         if self.fault_injection is not None:

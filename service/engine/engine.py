@@ -26,6 +26,7 @@ from service.engine.request import Request
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler, StepResult, WaitingQueue
 from service.engine.stream import GenerationStream
+from service.engine.threads import default_cpu_threads
 from service.engine.types import (
     EngineError,
     EngineObserver,
@@ -62,6 +63,7 @@ class Engine:
         self.runner = ModelRunner(
             self.model, config.max_seqs, self.window,
             usable_vocab=self.tokenizer.vocab_size, deterministic=config.deterministic,
+            cpu_threads=config.cpu_threads or default_cpu_threads(),
         )
         if config.compile:
             # Shapes vary with batch size, chunk length and attention span: compile dynamically.
@@ -229,6 +231,7 @@ class Engine:
             "shift_keep": self.config.keep_tokens(self.window),
             "reject_long_prompts": self.config.reject_long_prompts,
             "deterministic": self.config.deterministic,
+            "cpu_threads": self.runner.cpu_threads,
             "packed_linear": self.packed_linears > 0,
             "kv_cache_bytes": self.runner.cache.nbytes,
             "provenance": self.checkpoint.provenance,
@@ -236,6 +239,9 @@ class Engine:
 
     # ---- the engine thread -------------------------------------------------------------
     def _run(self) -> None:
+        if self.device == "cpu":
+            # This thread's own OpenMP team; the rest of the process stays at one (threads.py).
+            torch.set_num_threads(self.runner.cpu_threads)
         try:
             while self._loop_once():
                 pass

@@ -48,7 +48,8 @@ class SampleResult:
 
 class ModelRunner:
     def __init__(
-        self, model: GPT, slots: int, window: int, usable_vocab: int, deterministic: bool = False
+        self, model: GPT, slots: int, window: int, usable_vocab: int, deterministic: bool = False,
+        cpu_threads: int = 1,
     ) -> None:
         self.model = model
         self.device = model.wte.weight.device
@@ -67,9 +68,8 @@ class ModelRunner:
         self.counts = torch.zeros(slots, self.vocab, dtype=torch.int32, device=self.device)
         # CPU threads per forward: measured per forward size, see threads.py. Deterministic
         # mode keeps one fixed count (a different count may change the kernels' rounding).
-        self.threads = ThreadTuner(
-            torch.get_num_threads(), enabled=self.device.type == "cpu" and not deterministic
-        )
+        self.cpu_threads = cpu_threads
+        self.threads = ThreadTuner(cpu_threads, enabled=self.device.type == "cpu" and not deterministic)
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, items: list[WorkItem]) -> tuple[dict[int, torch.Tensor], dict[int, str]]:

@@ -1,21 +1,25 @@
-"""How many CPU threads each forward uses, chosen by measuring, not by a rule of thumb.
+"""CPU threads: which thread of the process may use several, and how many each forward uses.
 
-On a small CPU machine the best thread count for a forward depends on things no formula here
-knows: the model's bytes against the caches, the dtype's kernels, and above all what else the
-process does. The engine shares two cores with the event loop that streams its tokens, and
-OpenMP workers that spin at a barrier while that loop wants a core cost far more than a second
-thread gains. Measured in-engine on a 2-core EPYC (tokens/s, 1 thread vs 2): 10.7M bf16 batch
-8: 911 vs 498; 10.7M fp32 batch 16: 1055 vs 870; but 124M fp32 batch 1: 22 vs 26-30 and batch
-8: 124 vs 144; 10.7M fp32 batch 64: 1633 vs 2130. No single threshold gets all of those right.
+Only the engine thread runs multi-threaded torch work. libgomp (torch's OpenMP) keeps a pool of
+worker threads for every thread that ever ran a parallel region, and once the process holds more
+OpenMP threads than CPUs, every pool's workers stop spinning and sleep after about a thousand
+spins, so each parallel region pays futex wake-ups. Measured on the 2-core machine: a 200k-element
+add took 18 us in the engine thread alone and 80-126 us once the main thread (or an executor
+thread) had run one parallel op; a whole decode forward doubled (10 -> 20 ms, 10.7M bf16 batch
+32). So process entry points call `single_threaded_elsewhere()` before touching torch, and the
+engine thread sets its own count (`default_cpu_threads()` unless configured).
 
-So the tuner treats it as an experiment per forward size (tokens in the forward, rounded to a
-power of two): the first forwards of each size alternate between one thread and all of them,
-the faster median wins, and the choice is measured again now and then because the machine's
-load changes.
+Within the engine thread the best count per forward still depends on things no formula knows:
+the model's bytes against the caches, the dtype's kernels, and what else the machine does (the
+event loop that streams tokens shares the same two cores). So the tuner treats it as an
+experiment per forward size (tokens in the forward, rounded to a power of two): the first
+forwards of each size alternate between one thread and all of them, the faster median wins,
+and the choice is measured again now and then because the machine's load changes.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -25,6 +29,20 @@ import torch
 SAMPLES = 5  # forwards timed per candidate before choosing
 RETUNE_AFTER = 4000  # forwards of one size between re-measurements
 PRIOR_MANY_THREADS = 64  # forward sizes from which all threads are tried first
+
+
+def default_cpu_threads() -> int:
+    """Threads for the engine: OMP_NUM_THREADS when set, else the CPUs this process may use."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def single_threaded_elsewhere() -> None:
+    """Keep the calling thread, and threads it starts later, to one torch thread (no OpenMP
+    pool); the engine thread raises its own count. Call before the process's first torch op."""
+    torch.set_num_threads(1)
 
 
 @dataclass
