@@ -23,9 +23,7 @@ import platform
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,27 +89,6 @@ def prompts_for(ckpt: Checkpoint, n: int, length: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     vocab = ckpt.tokenizer.vocab_size
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
-
-
-def threaded(threads: int, fn: Callable[..., Any], *args: Any) -> Any:
-    """Run fn(*args) in a fresh thread with `threads` torch threads. The thread, and the OpenMP
-    pool it starts, end with it: a pool left behind in the main thread would slow every later
-    parallel region in the process (service/engine/threads.py), the engine's included."""
-    box: dict[str, Any] = {}
-
-    def body() -> None:
-        torch.set_num_threads(threads)
-        try:
-            box["value"] = fn(*args)
-        except BaseException as e:  # re-raised in the caller
-            box["error"] = e
-
-    worker = threading.Thread(target=body, name="bench-peer")
-    worker.start()
-    worker.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 # ---------------------------------------------------------------------------------- (a) engine
@@ -253,38 +230,43 @@ def load_avg() -> str:
 
 
 def run_shape(shape: str, dtype: str, concs: list[int], args: argparse.Namespace) -> ShapeResult:
-    from bench.levers import lever_runs
-    from bench.llama_peer import bench_llama  # the optional llama.cpp peer
+    from bench.levers import LEVERS
+    from bench.peers import PEERS, PeerProcess
 
-    ckpt = make_checkpoint(shape, dtype)
-    model = ckpt.build_model("cpu")
-    res = ShapeResult(shape, dtype, model.num_params(non_embedding=False))
-    res.limits = threaded(args.threads, measure_limits, DTYPES[dtype])
-    weight_bytes, flops_per_token = model_costs(ckpt.config, DTYPES[dtype])
-    res.limits["bound_tps_batch1"] = res.limits["bandwidth_GBps"] * 1e9 / weight_bytes
-    res.limits["bound_tps_compute"] = res.limits["matmul_GFLOPs"] * 1e9 / flops_per_token
+    cfg = GPTConfig(**SHAPES[shape])
+    with torch.device("meta"):
+        params = GPT(cfg).num_params(non_embedding=False)
+    res = ShapeResult(shape, dtype, params)
     new = args.new_tokens if shape == "10.7M" else max(4, args.new_tokens // 2)
-    prompts = prompts_for(ckpt, max(concs), args.prompt_tokens)
-    hf, hf_dir = hf_model(ckpt)
-    for conc in concs:
-        print(f"[{shape} {dtype}] concurrency {conc}  (load {load_avg()})", flush=True)
-        # Shared, noisy machines: the engine and HF alternate `repeats` times, best run kept.
-        eng_runs, hf_runs = [], []
-        for _ in range(args.repeats):
-            eng_runs.append(bench_engine(ckpt, conc, prompts, new, {"cpu_threads": args.threads}))
-            hf_runs.append(threaded(args.threads, bench_hf, hf, conc, prompts, new))
-        res.runs.append(max(eng_runs, key=lambda r: r.tps))
-        naive_new = new if shape == "10.7M" or conc <= 8 else max(2, new // 4)
-        res.runs.append(threaded(args.threads, bench_naive, model, conc, prompts, naive_new))
-        res.runs.append(max(hf_runs, key=lambda r: r.tps))
-        llama = bench_llama(hf_dir, ckpt, conc, prompts, new, args.threads)
-        if llama is not None:
-            res.runs.append(llama)
-        if args.levers and conc in (1, 32):
-            res.runs.extend(lever_runs(ckpt, conc, prompts, new))
-        for r in res.runs:
-            if r.concurrency == conc:
-                print(f"    {r.peer:22s} {r.tps:9.1f} tok/s  step {r.step_ms:8.2f} ms {r.note}", flush=True)
+    peers = {p: PeerProcess(p, shape, dtype, args.threads, args.prompt_tokens, max(concs)) for p in PEERS}
+    try:
+        res.limits = peers["naive"].call("limits")
+        weight_bytes, flops_per_token = model_costs(cfg, DTYPES[dtype])
+        res.limits["bound_tps_batch1"] = res.limits["bandwidth_GBps"] * 1e9 / weight_bytes
+        res.limits["bound_tps_compute"] = res.limits["matmul_GFLOPs"] * 1e9 / flops_per_token
+        for conc in concs:
+            print(f"[{shape} {dtype}] concurrency {conc}  (load {load_avg()})", flush=True)
+            # Shared, noisy machines: the engine and HF alternate `repeats` times, best run kept.
+            eng_runs, hf_runs = [], []
+            for _ in range(args.repeats):
+                eng_runs.append(peers["engine"].call("run", conc, new))
+                hf_runs.append(peers["hf"].call("run", conc, new))
+            res.runs.append(max(eng_runs, key=lambda r: r.tps))
+            naive_new = new if shape == "10.7M" or conc <= 8 else max(2, new // 4)
+            res.runs.append(peers["naive"].call("run", conc, naive_new))
+            res.runs.append(max(hf_runs, key=lambda r: r.tps))
+            llama = peers["llama.cpp"].call("run", conc, new)  # None: not installed
+            if llama is not None:
+                res.runs.append(llama)
+            if args.levers and conc in (1, 32):
+                res.runs.extend(peers["engine"].call("run", conc, new, c, p, n) for n, c, p in LEVERS)
+            for r in res.runs:
+                if r.concurrency == conc:
+                    line = f"    {r.peer:22s} {r.tps:9.1f} tok/s  step {r.step_ms:8.2f} ms {r.note}"
+                    print(line, flush=True)
+    finally:
+        for peer in peers.values():
+            peer.close()
     return res
 
 
@@ -336,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--levers", action="store_true", help="also measure each engine lever off/on")
     ap.add_argument("--crop", action="store_true", help="also measure shift vs sliding past the window")
     args = ap.parse_args(argv)
-    # Peers run in their own threads with args.threads (threaded()); the engine in its thread.
+    # Every peer runs in a process of its own (bench/peers.py); this one only drives them.
     single_threaded_elsewhere()
     concs = [int(c) for c in args.concurrency.split(",")]
     started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_before": load_avg()}

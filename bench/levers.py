@@ -14,12 +14,6 @@ LEVERS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 ]
 
 
-def lever_runs(ckpt: Any, conc: int, prompts: list[list[int]], new: int) -> list[Any]:
-    from bench.engine import bench_engine
-
-    return [bench_engine(ckpt, conc, prompts, new, cfg, params, name=name) for name, cfg, params in LEVERS]
-
-
 def lever_table(results: list[Any]) -> str:
     lines = [
         "| model | dtype | conc | variant | tok/s | step ms | ratio to default |",

@@ -1,0 +1,101 @@
+"""Each peer of bench/engine.py in a process of its own, kept for a whole model shape.
+
+Why processes: torch and llama.cpp share one OpenMP runtime (libgomp) per process, and an
+OpenMP thread pool left behind by one peer (its worker threads outlive the measurement) slows
+every later parallel region in the process, whichever peer runs next: in one process HF generate
+fell from 147 to 84 tok/s after the engine had run, llama.cpp from ~500 to ~150. A process per
+peer gives each the machine as it would have it alone; the driver only sends "run" and collects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+PEERS = ("engine", "hf", "naive", "llama.cpp")
+
+
+class PeerProcess:
+    """One peer's worker process; `call` sends a request and waits for its answer."""
+
+    def __init__(
+        self, peer: str, shape: str, dtype: str, threads: int, prompt_tokens: int, prompts: int
+    ) -> None:
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited threads or pools
+        self.peer = peer
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_worker, args=(child, peer, shape, dtype, threads, prompt_tokens, prompts),
+            name=f"bench-{peer}", daemon=True,
+        )
+        self.process.start()
+        child.close()
+
+    def call(self, *request: Any) -> Any:
+        self.conn.send(request)
+        ok, value = self.conn.recv()
+        if not ok:
+            raise RuntimeError(f"{self.peer} worker failed:\n{value}")
+        return value
+
+    def close(self) -> None:
+        with contextlib.suppress(BrokenPipeError, OSError):
+            self.conn.send(None)
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def _worker(conn: Connection, peer: str, shape: str, dtype: str, threads: int, prompt_tokens: int,
+            n_prompts: int) -> None:
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    from service.engine.threads import single_threaded_elsewhere
+
+    if peer == "engine":
+        single_threaded_elsewhere()  # the engine thread takes `threads` (cpu_threads)
+    else:
+        torch.set_num_threads(threads)
+    from bench import engine as bench
+
+    ckpt = bench.make_checkpoint(shape, dtype)
+    prompts = bench.prompts_for(ckpt, n_prompts, prompt_tokens)
+    state: dict[str, Any] = {}
+    while True:
+        request = conn.recv()
+        if request is None:
+            return
+        try:
+            conn.send((True, _handle(request, peer, ckpt, prompts, threads, state, bench)))
+        except Exception:
+            conn.send((False, traceback.format_exc()))
+
+
+def _handle(request: tuple[Any, ...], peer: str, ckpt: Any, prompts: list[list[int]], threads: int,
+            state: dict[str, Any], bench: Any) -> Any:
+    kind, *args = request
+    if kind == "limits":
+        return bench.measure_limits(bench.DTYPES[ckpt.dtype])
+    conc, new, *extra = args
+    if peer == "engine":
+        cfg, params, name = extra if extra else ({}, None, "engine")
+        return bench.bench_engine(ckpt, conc, prompts, new, {"cpu_threads": threads, **cfg}, params, name)
+    if peer == "naive":
+        if "model" not in state:
+            state["model"] = ckpt.build_model("cpu")
+        return bench.bench_naive(state["model"], conc, prompts, new)
+    if "hf" not in state:
+        state["hf"] = bench.hf_model(ckpt)  # (model, exported directory)
+    if peer == "hf":
+        return bench.bench_hf(state["hf"][0], conc, prompts, new)
+    from bench.llama_peer import bench_llama
+
+    return bench_llama(state["hf"][1], ckpt, conc, prompts, new, threads)
