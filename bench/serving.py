@@ -1,0 +1,153 @@
+"""HTTP vs in-process: is the server itself a bottleneck?
+
+    python bench/serving.py [--checkpoint checkpoints/shakespeare-char] [-c 32] [-n 128] [--max-new-tokens 64]
+
+The same engine settings and the same closed-loop load (c clients, n requests, the same prompt,
+sampled at temperature 1 with a seed per request) run twice, alternating, `--repeats` times:
+  - in-process: `Engine.generate` from c asyncio tasks in this process;
+  - HTTP: a real `nanoserve serve` on 127.0.0.1 (uvicorn, SSE on /generate_stream), driven by
+    bench/load.py from this process.
+Reports generated tokens/s both ways and the ratio, time to first token p50/p99 both ways
+(from the request's submission: queueing and prefill count), and the CPU the load generator
+itself used: it shares the machine's cores with the server, so it is part of the HTTP cost here.
+Writes bench/results/serving.json and serving.md. Not a test: nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.engine import load_avg, machine
+from bench.load import LoadConfig, percentiles, run_load
+from service.engine.threads import single_threaded_elsewhere
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+
+
+def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str) -> dict[str, Any]:
+    from model.checkpoint import load_checkpoint
+    from service.engine.config import EngineConfig
+    from service.engine.engine import Engine
+    from service.engine.types import SamplingParams
+
+    engine = Engine(load_checkpoint(checkpoint), EngineConfig(max_seqs=conc, max_queue=requests))
+    engine.start()
+    ttfts: list[float] = []
+    tokens = 0
+
+    async def one(index: int) -> None:
+        nonlocal tokens
+        params = SamplingParams(max_new_tokens=new, temperature=1.0, seed=index)
+        sent = time.perf_counter()
+        first = None
+        async for event in await engine.generate(prompt, params):
+            if event.token_id is not None:
+                tokens += 1
+                if first is None:
+                    first = time.perf_counter() - sent
+        if first is not None:
+            ttfts.append(first)
+
+    async def go() -> float:
+        await engine.warmup()
+        counter = iter(range(conc))  # warm every batch size's shapes and the thread tuner
+        await asyncio.gather(*(worker(counter) for _ in range(conc)))
+        ttfts.clear()
+        nonlocal tokens
+        tokens = 0
+        counter = iter(range(requests))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(counter) for _ in range(conc)))
+        elapsed = time.perf_counter() - t0
+        await engine.shutdown(0.0)
+        return elapsed
+
+    async def worker(counter: Any) -> None:
+        for index in counter:
+            await one(index)
+
+    wall = asyncio.run(go())
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "ttft_s": percentiles(ttfts)}
+
+
+def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str) -> dict[str, Any]:
+    from tests.service.server import running_server
+
+    env = {"NANOSERVE_MAX_SEQS": str(conc), "NANOSERVE_MAX_QUEUE": str(requests),
+           "NANOSERVE_LOG_LEVEL": "warning"}
+    with running_server(checkpoint, env=env) as server:
+        def load(n: int) -> Any:
+            config = LoadConfig(url=server.base_url, concurrency=conc, requests=n, max_new_tokens=new,
+                                temperature=1.0, seed=0, prompt=prompt)
+            return asyncio.run(run_load(config))
+
+        load(conc)  # warm-up, as in-process
+        cpu0 = time.process_time()
+        report = load(requests)
+        client_cpu = time.process_time() - cpu0
+    summary = report.summary()
+    if summary["outcomes"] != {"ok": requests}:
+        raise RuntimeError(f"not every request completed: {summary['outcomes']}")
+    return {"tokens": summary["tokens_generated"], "wall_s": summary["wall_s"],
+            "tokens_per_s": summary["tokens_per_s"], "ttft_s": summary["ttft_s"],
+            "client_cpu_share": client_cpu / summary["wall_s"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "shakespeare-char"))
+    ap.add_argument("-c", "--concurrency", type=int, default=32)
+    ap.add_argument("-n", "--requests", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompt", default="ROMEO:")
+    ap.add_argument("--repeats", type=int, default=2, help="alternating runs each way, best kept")
+    ap.add_argument("--out", default=str(RESULTS / "serving"))
+    args = ap.parse_args(argv)
+    single_threaded_elsewhere()  # the in-process engine's thread is the only one with a pool
+    started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_before": load_avg()}
+    ckpt = Path(args.checkpoint)
+    runs: dict[str, list[dict[str, Any]]] = {"in_process": [], "http": []}
+    for _ in range(args.repeats):
+        load = (ckpt, args.concurrency, args.requests, args.max_new_tokens, args.prompt)
+        runs["in_process"].append(in_process(*load))
+        runs["http"].append(over_http(*load))
+        for way in runs:
+            r = runs[way][-1]
+            print(f"  {way:10s} {r['tokens_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_s']['p50']:.3f}s "
+                  f"p99 {r['ttft_s']['p99']:.3f}s", flush=True)
+    best = {way: max(rs, key=lambda r: r["tokens_per_s"]) for way, rs in runs.items()}
+    ratio = best["http"]["tokens_per_s"] / best["in_process"]["tokens_per_s"]
+    meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
+    md = (
+        f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; {meta['utc']}; load "
+        f"before/after {meta['load_before']} / {meta['load_after']}. Checkpoint {ckpt.name}, "
+        f"{args.concurrency} concurrent clients, {args.requests} requests x {args.max_new_tokens} "
+        f"new tokens, temperature 1, best of {args.repeats} alternating runs.\n\n"
+        "| path | tokens/s | TTFT p50 | TTFT p99 |\n|---|---|---|---|\n"
+        + "\n".join(
+            f"| {way} | {r['tokens_per_s']:.0f} | {1e3 * r['ttft_s']['p50']:.0f} ms | "
+            f"{1e3 * r['ttft_s']['p99']:.0f} ms |" for way, r in best.items()
+        )
+        + f"\n\nHTTP / in-process throughput: {ratio:.2f}. The load generator (same machine) used "
+        f"{best['http']['client_cpu_share']:.0%} of one core while it ran.\n"
+    )
+    print(md)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"meta": meta, "runs": runs, "ratio": ratio}
+    out.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+    out.with_suffix(".md").write_text(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
