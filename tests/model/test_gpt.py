@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import model.gpt as gpt_module
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import GPTConfig
-import model.gpt as gpt_module
 from model.gpt import GPT
 from model.reference import reference_generate
 from model.tokenizer import CharTokenizer

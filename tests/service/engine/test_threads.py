@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import service.engine.threads as threads_module
-from service.engine.threads import SAMPLES, ThreadTuner
+from service.engine.threads import ALL_THREADS_FROM, SAMPLES, ThreadTuner
 
 
 class FakeClock:
@@ -47,9 +47,15 @@ def test_alternates_then_keeps_the_faster_count_per_size(clock: FakeClock) -> No
     assert tuner.choices() == {1: 1}
     assert {run(tuner, clock, 1, small) for _ in range(20)} == {1}
     used = [run(tuner, clock, 64, large) for _ in range(2 * SAMPLES)]
-    assert used[0] == 2  # a large forward tries all threads first
+    assert sorted(used) == [1] * SAMPLES + [2] * SAMPLES
     assert tuner.choices() == {1: 1, 64: 2}
     assert {run(tuner, clock, 50, large) for _ in range(5)} == {2}  # 50 tokens round up to 64
+
+
+def test_large_forwards_always_use_every_thread(clock: FakeClock) -> None:
+    tuner = ThreadTuner(2)
+    used = {run(tuner, clock, ALL_THREADS_FROM, {1: 0.001, 2: 0.5}) for _ in range(3 * SAMPLES)}
+    assert used == {2}  # never measured on one thread, even if that looked faster
 
 
 def test_one_slow_outlier_does_not_decide(clock: FakeClock) -> None:
