@@ -70,6 +70,7 @@ class Engine:
             # The first forward of each new shape family compiles (minutes on 2 CPU cores), so
             # warmup() should run before the engine reports ready.
             self.runner.model = torch.compile(self.model, dynamic=True)  # type: ignore[assignment]
+            self.runner.decode_step = None
         self.scheduler = Scheduler(self.runner, self.tokenizer, config, self.window)
         self._fault_kind, _, self._fault_marker = (config.fault_injection or "").partition(":")
         self._waiting = WaitingQueue()

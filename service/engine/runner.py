@@ -13,6 +13,7 @@ import torch
 
 from model.gpt import GPT
 from model.sampling import SamplingBatch, sample_tokens, seeded_uniform, token_logprobs
+from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
 from service.engine.request import Request
 from service.engine.threads import ThreadTuner
@@ -57,6 +58,9 @@ class ModelRunner:
         self.cache = SpanKVCache(
             cfg.n_layer, slots, cfg.n_head, window, cfg.head_dim, model.wte.weight.dtype, self.device
         )
+        # Decode steps (one token per row) skip the general forward (decode_step.py); None
+        # when the model is compiled, so the compiled graph runs every step.
+        self.decode_step: DecodeStep | None = DecodeStep(model, self.cache)
         self.vocab = model.config.vocab_size
         # nanoGPT pads the vocabulary (50257 -> 50304) for speed: ids the tokenizer cannot
         # decode must never be sampled.
@@ -118,7 +122,10 @@ class ModelRunner:
         slots = torch.tensor(slot_list, dtype=torch.long, device=self.device)
         self.cache.prepare(slot_list, [item.start + t for item in items])
         self.threads.begin(len(items) * t)
-        logits = self.model(idx, input_pos=pos, cache=self.cache, slots=slots, last_only=True)[:, -1, :]
+        if t == 1 and self.decode_step is not None:
+            logits = self.decode_step(idx.view(-1), pos.view(-1), slots)
+        else:
+            logits = self.model(idx, input_pos=pos, cache=self.cache, slots=slots, last_only=True)[:, -1, :]
         self.threads.end()
         nan_rows = [j for j, item in enumerate(items) if item.req.fault == "nan"]
         if nan_rows:

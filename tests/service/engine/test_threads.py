@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -101,3 +102,12 @@ def test_disabled_with_one_thread_or_when_asked(clock: FakeClock) -> None:
             tuner.end()
         assert tuner.choices() == {}
         assert torch.get_num_threads() == 1
+
+
+def test_default_cpu_threads_follows_omp_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_module.default_cpu_threads() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "not-a-number")
+    assert threads_module.default_cpu_threads() == len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert threads_module.default_cpu_threads() == len(os.sched_getaffinity(0))

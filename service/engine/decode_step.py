@@ -1,0 +1,89 @@
+"""The one-token forward (a decode step) as straight-line tensor calls.
+
+`GPT.forward` serves training, prefill and decode alike; at batch 1 on a small model most of a
+decode step is not arithmetic but Python: module calls, per-layer views and transposes, index
+tensors for the cache write. This path computes exactly the same thing for rows that each feed
+one token (same kernels in the same order, so the same logits; the parity tests run through it),
+with the weights bound once and about half the calls per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model import gpt
+from model.gpt import GPT, Block
+from service.engine.kv_slots import SpanKVCache, SpanLayerCache
+
+
+@dataclass
+class _Layer:
+    ln_1: nn.LayerNorm
+    c_attn: nn.Module
+    c_proj: nn.Module
+    ln_2: nn.LayerNorm
+    c_fc: nn.Module
+    gelu: bool  # False when c_fc already applies it (oneDNN post-op)
+    mlp_proj: nn.Module
+    cache: SpanLayerCache
+
+
+class DecodeStep:
+    def __init__(self, model: GPT, cache: SpanKVCache) -> None:
+        if model.training:
+            raise ValueError("the decode step is for inference: put the model in eval() mode")
+        self.model = model
+        self.cache = cache
+        cfg = model.config
+        self.n_head, self.head_dim, self.n_embd = cfg.n_head, cfg.head_dim, cfg.n_embd
+        blocks: list[Block] = list(model.h)  # type: ignore[arg-type]
+        caches: list[SpanLayerCache] = list(cache.layers)  # type: ignore[arg-type]
+        self.layers = [
+            _Layer(
+                ln_1=block.ln_1, c_attn=block.attn.c_attn, c_proj=block.attn.c_proj, ln_2=block.ln_2,
+                c_fc=block.mlp.c_fc, gelu=not isinstance(block.mlp.gelu, nn.Identity),
+                mlp_proj=block.mlp.c_proj, cache=layer_cache,
+            )
+            for block, layer_cache in zip(blocks, caches, strict=True)
+        ]
+
+    def __call__(self, idx: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """idx, pos, slots: (B,) token, position and cache slot per row (the cache's span is
+        already prepared). Returns the next-token logits (B, V)."""
+        m = self.model
+        b, nh, hs, c = idx.shape[0], self.n_head, self.head_dim, self.n_embd
+        x = m.wte(idx) + m.wpe(pos)  # (B, C)
+        span = self.cache.span
+        allowed = torch.arange(span.length, device=idx.device).view(1, -1) <= pos.view(-1, 1)
+        mask = torch.zeros(allowed.shape, dtype=x.dtype, device=idx.device)
+        mask = mask.masked_fill_(~allowed, float("-inf")).view(b, 1, 1, -1)  # (B, 1, 1, S)
+        first = span.first_slot
+        for layer in self.layers:
+            h = F.layer_norm(x, (c,), layer.ln_1.weight, layer.ln_1.bias, layer.ln_1.eps)
+            q, k, v = layer.c_attn(h).view(b, 3, nh, hs).unbind(1)  # each (B, nh, hs)
+            kc, vc = layer.cache.k, layer.cache.v
+            kc[slots, :, pos] = k.to(kc.dtype)
+            vc[slots, :, pos] = v.to(vc.dtype)
+            n = span.length
+            if first is not None:  # consecutive slots: a view, not a copy
+                keys, values = kc[first : first + b, :, :n], vc[first : first + b, :, :n]
+            else:
+                keys, values = kc[:, :, :n].index_select(0, slots), vc[:, :, :n].index_select(0, slots)
+            q = q.unsqueeze(2)  # (B, nh, 1, hs)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+            if b >= gpt.DECODE_MATMUL_ROWS:
+                y = gpt.decode_attention(q, keys, values, mask)
+            else:
+                y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            x = x + layer.c_proj(y.reshape(b, c))
+            h = F.layer_norm(x, (c,), layer.ln_2.weight, layer.ln_2.bias, layer.ln_2.eps)
+            h = layer.c_fc(h)
+            if layer.gelu:
+                h = F.gelu(h, approximate="tanh")
+            x = x + layer.mlp_proj(h)
+        x = F.layer_norm(x, (c,), m.ln_f.weight, m.ln_f.bias, m.ln_f.eps)
+        return m.lm_head(x)  # type: ignore[no-any-return]
