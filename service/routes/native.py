@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from pydantic_core import to_json
 
 from service.api_docs import sse_response_doc
 from service.deps import EngineDep, SettingsDep, server_version
@@ -82,6 +83,15 @@ def _token(event: TokenEvent) -> Token:
     return Token(id=event.token_id, text=event.text, logprob=event.logprob, special=event.special)
 
 
+def token_event_bytes(event: TokenEvent) -> bytes:
+    """`sse_event(StreamResponse(index, token=_token(event)))` for a mid-stream token event, with
+    the same JSON, written directly: the pydantic round trip was ~10% of the event loop's time
+    while streaming to 32 clients (tests compare the two)."""
+    token = {"id": event.token_id, "text": event.text, "logprob": event.logprob, "special": event.special}
+    body = {"index": event.index, "token": token, "top_tokens": None, "generated_text": None, "details": None}
+    return sse_event(to_json(body).decode())  # pydantic's own serializer: the same float text
+
+
 def _top(tops: Iterable[TopToken], special_id: int | None) -> list[Token]:
     return [Token(id=t.id, text=t.text, logprob=t.logprob, special=t.id == special_id) for t in tops]
 
@@ -120,6 +130,9 @@ async def _generate_sse(request: Request, engine: EngineDep, body: GenerateReque
 
     def render(event: TokenEvent) -> Iterable[bytes]:
         parts.append(event.text)
+        if event.finish_reason is None and not with_top and event.token_id is not None:
+            yield token_event_bytes(event)  # the common event, without building pydantic models
+            return
         out = StreamResponse(
             index=event.index,
             token=_token(event),

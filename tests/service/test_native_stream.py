@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 
+from service.engine.types import TokenEvent
 from tests.service.server import ServerProcess, running_server
 
 FAULT = "FAULTY"  # prompts containing this get NaN logits (the engine's test-only fault injection)
@@ -135,3 +136,22 @@ def test_huggingface_hub_client(server: ServerProcess) -> None:
     assert out.details is not None and out.details.generated_tokens == 4 and out.details.seed == 7
     streamed = list(client.text_generation("Hello", max_new_tokens=4, stream=True))
     assert "".join(streamed) == text  # greedy: same text streamed or not
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        TokenEvent(index=0, token_id=7, text="a", logprob=-0.25),
+        TokenEvent(index=12, token_id=3, text="é\n\"x\" \\ 🎉", logprob=-1e-9, special=False),
+        TokenEvent(index=3, token_id=50256, text="", logprob=None, special=True),
+        TokenEvent(index=1, token_id=0, text="\u2028</script>", logprob=-17.123456789012345),
+    ],
+)
+def test_direct_token_event_json_equals_the_pydantic_rendering(event: TokenEvent) -> None:
+    """The streaming hot path writes a mid-stream event's JSON directly; it must be the very
+    bytes the schema (StreamResponse) would produce."""
+    from service.routes.native import _token, token_event_bytes
+    from service.schemas.native import StreamResponse
+    from service.sse import sse_event
+
+    assert token_event_bytes(event) == sse_event(StreamResponse(index=event.index, token=_token(event)))
