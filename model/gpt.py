@@ -44,13 +44,7 @@ class CausalSelfAttention(nn.Module):
         else:
             assert input_pos is not None and slots is not None and mask is not None
             k, v = cache.update(slots, input_pos, k, v)  # (B, nh, W, hs)
-            k, v = k.to(q.dtype), v.to(q.dtype)
-            # mask: (B, 1, T, W), 0 where a query may attend and -inf elsewhere; every row sits
-            # at its own position.
-            if t == 1 and b >= DECODE_MATMUL_ROWS:
-                y = decode_attention(q, k, v, mask)
-            else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = cached_attention(q, k.to(q.dtype), v.to(q.dtype), mask)
         y = y.transpose(1, 2).contiguous().view(b, t, c)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -58,6 +52,23 @@ class CausalSelfAttention(nn.Module):
 # From this many rows, one-token attention runs as two batched matmuls (see decode_attention);
 # below it the fused kernel is cheaper (fewer ops: ~0.1 ms per layer less at batch 1).
 DECODE_MATMUL_ROWS = 8
+
+
+def additive_mask(input_pos: torch.Tensor, span: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, T, span): 0 where the query at input_pos (B, T) may attend a cached position (every
+    position up to its own), -inf elsewhere. Additive and in the activations' dtype, built once
+    per forward (a boolean mask is converted again by every layer's attention)."""
+    b, t = input_pos.shape
+    allowed = torch.arange(span, device=input_pos.device).view(1, 1, 1, -1) <= input_pos.view(b, 1, t, 1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=input_pos.device)
+    return mask.masked_fill_(~allowed, float("-inf"))
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of q (B, nh, T, hs) over cached k/v (B, nh, S, hs) under an additive_mask."""
+    if q.shape[2] == 1 and q.shape[0] >= DECODE_MATMUL_ROWS:
+        return decode_attention(q, k, v, mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -187,12 +198,7 @@ class GPT(nn.Module):
         if cache is not None:
             if slots is None:
                 slots = torch.arange(b, device=idx.device)
-            window = torch.arange(cache.window, device=idx.device)
-            allowed = window.view(1, 1, 1, -1) <= input_pos.view(b, 1, t, 1)  # (B, 1, T, W)
-            # Additive, in the activations' dtype, built once per forward (a boolean mask is
-            # converted again by every layer's attention).
-            mask = torch.zeros(allowed.shape, dtype=x.dtype, device=idx.device)
-            mask.masked_fill_(~allowed, float("-inf"))
+            mask = additive_mask(input_pos, cache.window, x.dtype)  # (B, 1, T, W)
         for i, block in enumerate(self.h):
             layer_cache = cache.layers[i] if cache is not None else None
             x = block(x, input_pos if cache is not None else None, layer_cache, slots, mask)

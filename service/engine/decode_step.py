@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import gpt
-from model.gpt import GPT, Block
+from model.gpt import GPT, Block, additive_mask, cached_attention
 from service.engine.kv_slots import SpanKVCache, SpanLayerCache
 
 
@@ -58,9 +57,7 @@ class DecodeStep:
         b, nh, hs, c = idx.shape[0], self.n_head, self.head_dim, self.n_embd
         x = m.wte(idx) + m.wpe(pos)  # (B, C)
         span = self.cache.span
-        allowed = torch.arange(span.length, device=idx.device).view(1, -1) <= pos.view(-1, 1)
-        mask = torch.zeros(allowed.shape, dtype=x.dtype, device=idx.device)
-        mask = mask.masked_fill_(~allowed, float("-inf")).view(b, 1, 1, -1)  # (B, 1, 1, S)
+        mask = additive_mask(pos.view(-1, 1), span.length, x.dtype)  # (B, 1, 1, S)
         first = span.first_slot
         for layer in self.layers:
             h = F.layer_norm(x, (c,), layer.ln_1.weight, layer.ln_1.bias, layer.ln_1.eps)
@@ -73,12 +70,7 @@ class DecodeStep:
                 keys, values = kc[first : first + b, :, :n], vc[first : first + b, :, :n]
             else:
                 keys, values = kc[:, :, :n].index_select(0, slots), vc[:, :, :n].index_select(0, slots)
-            q = q.unsqueeze(2)  # (B, nh, 1, hs)
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
-            if b >= gpt.DECODE_MATMUL_ROWS:
-                y = gpt.decode_attention(q, keys, values, mask)
-            else:
-                y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            y = cached_attention(q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), mask)
             x = x + layer.c_proj(y.reshape(b, c))
             h = F.layer_norm(x, (c,), layer.ln_2.weight, layer.ln_2.bias, layer.ln_2.eps)
             h = layer.c_fc(h)
