@@ -41,8 +41,9 @@ def default_cpu_threads() -> int:
 
 
 def single_threaded_elsewhere() -> None:
-    """Keep the calling thread, and threads it starts later, to one torch thread (no OpenMP
-    pool); the engine thread raises its own count. Call before the process's first torch op."""
+    """Put the calling thread on one torch thread (no OpenMP pool), and with it every thread that
+    first runs torch before the engine thread sets its own count (torch copies the last count
+    set into a thread at its first parallel op). Call before the process's first torch op."""
     torch.set_num_threads(1)
 
 
