@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import anyio
 from pydantic import BaseModel
+from pydantic_core import to_json
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -40,8 +40,8 @@ def sse_event(data: str | Mapping[str, Any] | BaseModel, event: str | None = Non
         text = data.model_dump_json()
     elif isinstance(data, str):
         text = data
-    else:
-        text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    else:  # pydantic's serializer here too: a plain dict renders exactly as the same model would
+        text = to_json(data).decode()
     # A newline inside data would end the field early; JSON never has one, raw strings might.
     lines = "".join(f"data: {line}\n" for line in text.split("\n"))
     return (f"event: {event}\n" if event else "").encode() + lines.encode() + b"\n"

@@ -4,7 +4,8 @@
 decode step is not arithmetic but Python: module calls, per-layer views and transposes, index
 tensors for the cache write. This path computes exactly the same thing for rows that each feed
 one token (same kernels in the same order, so the same logits; the parity tests run through it),
-with the weights bound once and about half the calls per layer.
+with the weights bound once and about half the calls per layer. The cache is the engine's own
+(`SpanLayerCache.update` writes the new keys and returns the span to attend over).
 """
 
 from __future__ import annotations
@@ -56,21 +57,13 @@ class DecodeStep:
         m = self.model
         b, nh, hs, c = idx.shape[0], self.n_head, self.head_dim, self.n_embd
         x = m.wte(idx) + m.wpe(pos)  # (B, C)
-        span = self.cache.span
-        mask = additive_mask(pos.view(-1, 1), span.length, x.dtype)  # (B, 1, 1, S)
-        first = span.first_slot
+        positions = pos.view(-1, 1)  # (B, T=1)
+        mask = additive_mask(positions, self.cache.span.length, x.dtype)  # (B, 1, 1, S)
         for layer in self.layers:
             h = F.layer_norm(x, (c,), layer.ln_1.weight, layer.ln_1.bias, layer.ln_1.eps)
-            q, k, v = layer.c_attn(h).view(b, 3, nh, hs).unbind(1)  # each (B, nh, hs)
-            kc, vc = layer.cache.k, layer.cache.v
-            kc[slots, :, pos] = k.to(kc.dtype)
-            vc[slots, :, pos] = v.to(vc.dtype)
-            n = span.length
-            if first is not None:  # consecutive slots: a view, not a copy
-                keys, values = kc[first : first + b, :, :n], vc[first : first + b, :, :n]
-            else:
-                keys, values = kc[:, :, :n].index_select(0, slots), vc[:, :, :n].index_select(0, slots)
-            y = cached_attention(q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), mask)
+            q, k, v = layer.c_attn(h).view(b, 3, nh, 1, hs).unbind(1)  # each (B, nh, 1, hs)
+            keys, values = layer.cache.update(slots, positions, k, v)  # the span, (B, nh, S, hs)
+            y = cached_attention(q, keys.to(q.dtype), values.to(q.dtype), mask)
             x = x + layer.c_proj(y.reshape(b, c))
             h = F.layer_norm(x, (c,), layer.ln_2.weight, layer.ln_2.bias, layer.ln_2.eps)
             h = layer.c_fc(h)
