@@ -233,6 +233,8 @@ class Engine:
             "reject_long_prompts": self.config.reject_long_prompts,
             "deterministic": self.config.deterministic,
             "cpu_threads": self.runner.cpu_threads,
+            # Forward size (tokens, rounded up to a power of two) -> threads the tuner chose.
+            "cpu_threads_by_forward_size": {str(k): v for k, v in self.runner.threads.choices().items()},
             "packed_linear": self.packed_linears > 0,
             "kv_cache_bytes": self.runner.cache.nbytes,
             "provenance": self.checkpoint.provenance,
