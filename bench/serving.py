@@ -76,7 +76,8 @@ def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str
             await one(index)
 
     wall = asyncio.run(go())
-    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "ttft_s": percentiles(ttfts)}
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "ttft_s": percentiles(ttfts),
+            "threads_by_size": engine.info()["cpu_threads_by_forward_size"]}
 
 
 def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 
@@ -126,3 +127,74 @@ def test_cli_exits_nonzero_when_nothing_listens(capsys: pytest.CaptureFixture[st
     code = main(["--url", "http://127.0.0.1:9", "-n", "2", "-c", "2", "--timeout", "5", "--json"])
     summary = json.loads(capsys.readouterr().out)
     assert code == 1 and summary["outcomes"] == {"transport": 2}
+
+
+# ---- the same outcomes over raw sockets (what run_load uses for an http:// URL) -----------------
+def raw_sse(parts: list[bytes], *, complete: bool = True) -> bytes:
+    """A chunked 200 response, one chunk per part; without `complete` the connection just ends."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n" \
+           b"x-request-id: r1\r\n\r\n"
+    body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts)
+    return head + body + (b"0\r\n\r\n" if complete else b"")
+
+
+def raw_status(status: int, text: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 %d X\r\ncontent-length: %d\r\n%s\r\n%s" % (status, len(text), extra, text)
+
+
+async def run_raw(responses: list[bytes], **kw) -> list:  # type: ignore[no-untyped-def]
+    """Serve `responses[seed]` to each connection from a loopback socket, then run the load."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        body = json.loads(await reader.readexactly(length))
+        seed = body["parameters"].get("seed", 0) if "parameters" in body else body.get("seed", 0)
+        writer.write(responses[seed])
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        config = LoadConfig(url=f"http://127.0.0.1:{port}", seed=0, timeout_s=10, **kw)
+        return (await run_load(config)).results
+
+
+async def test_raw_client_classifies_every_outcome() -> None:
+    # One event split across two chunks in the middle of a two-byte character.
+    event = json.dumps({"index": 1, "token": {"id": 1, "text": "é"}}, ensure_ascii=False)
+    split = f"data: {event}\n\n".encode()
+    cut = split.index("é".encode()) + 1
+    tail = tgi_events(2)[1]
+    results = await run_raw([
+        raw_sse(tgi_events(5)),
+        raw_status(429, b'{"error": {}}', b"retry-after: 1\r\n"),
+        raw_status(503, b'{"error": {"message": "draining"}}'),
+        raw_status(500, b"boom"),
+        raw_sse(tgi_events(3, final=False)),
+        raw_sse(tgi_events(2, final=False), complete=False),  # connection dropped
+        raw_sse([*tgi_events(2, final=False),
+                 b'event: error\ndata: {"error": {"message": "NaN logits", "code": "x"}}\n\n']),
+        raw_status(422, b'{"error": {"message": "bad"}}'),
+        raw_sse([split[:cut], split[cut:], tail]),
+        b"SSH-2.0-OpenSSH\r\n\r\n",  # not HTTP at all
+    ], concurrency=3, requests=10)
+    assert [r.kind for r in results] == ["ok", "http_429", "http_503", "http_5xx", "cut", "cut",
+                                         "error_event", "http_4xx", "ok", "transport"]
+    ok = results[0]
+    assert (ok.tokens, ok.details_tokens, ok.finish_reason, ok.text) == (5, 5, "length", "AAAAA")
+    assert ok.ttft_s is not None and len(ok.itl_s) == 4 and not ok.malformed
+    assert ok.request_id == "r1" and results[1].retry_after == "1"
+    assert results[3].error == "boom"
+    assert results[6].error == "NaN logits" and results[6].tokens == 2
+    assert results[8].text == "éA" and not results[8].malformed
+
+
+async def test_raw_client_chat_and_disconnect() -> None:
+    results = await run_raw([raw_sse(chat_events(4)), raw_sse(chat_events(4, done=False))],
+                            route="chat", concurrency=1, requests=2)
+    assert [(r.kind, r.tokens) for r in results] == [("ok", 4), ("cut", 4)]
+    results = await run_raw([raw_sse(tgi_events(10))], requests=1, disconnect_after=3)
+    assert [(r.kind, r.tokens) for r in results] == [("disconnected", 3)]
