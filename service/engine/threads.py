@@ -13,7 +13,7 @@ Within the engine thread the best count per forward still depends on things no f
 the model's bytes against the caches, the dtype's kernels, and what else the machine does (the
 event loop that streams tokens shares the same two cores). So the tuner treats it as an
 experiment per forward size (tokens in the forward, rounded to a power of two): the first
-forwards of each size alternate between one thread and all of them, the faster median wins,
+forwards of each size take turns between one thread and all of them, the faster median wins,
 and the choice is measured again now and then because the machine's load changes. Forwards of
 ALL_THREADS_FROM tokens or more are compute-bound and always use every thread.
 """
@@ -27,7 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-SAMPLES = 5  # forwards timed per candidate before choosing
+# Candidates take turns in blocks of BLOCK forwards; the first forward of a block is not timed:
+# it pays for the switch (waking or parking the OpenMP workers) and measured 1.2-1.9x a settled
+# forward, which made a close call come out either way from run to run.
+BLOCK = 3
+ROUNDS = 3  # blocks per candidate before choosing
+SAMPLES = ROUNDS * (BLOCK - 1)  # timed forwards per candidate
 RETUNE_AFTER = 4000  # forwards of one size between re-measurements
 ALL_THREADS_FROM = 128  # forward sizes (tokens) that always use every thread
 
@@ -52,7 +57,7 @@ class _SizeState:
     samples: dict[int, list[float]]
     choice: int | None = None
     since_choice: int = 0
-    turn: int = 0
+    turn: int = 0  # forwards run while measuring
 
 
 class ThreadTuner:
@@ -63,7 +68,7 @@ class ThreadTuner:
         self.candidates = sorted({1, max_threads})
         self.enabled = enabled and len(self.candidates) > 1
         self._sizes: dict[int, _SizeState] = {}
-        self._pending: tuple[int, int, float] | None = None  # (size, threads, start)
+        self._pending: tuple[int, int, float] | None = None  # (size, threads, start) of a timed forward
 
     @staticmethod
     def size_of(tokens: int) -> int:
@@ -78,9 +83,10 @@ class ThreadTuner:
         if state is None:
             state = self._sizes[size] = _SizeState({c: [] for c in self.candidates})
         if state.choice is not None and state.since_choice >= RETUNE_AFTER:
-            state.choice, state.since_choice = None, 0
+            state.choice, state.since_choice, state.turn = None, 0, 0
             for samples in state.samples.values():
                 samples.clear()
+        timed = False
         if size >= ALL_THREADS_FROM:
             # Large forwards are compute-bound: all threads, no experiment (measuring one thread
             # on a burst's prefill cost 1.09 s instead of 0.63 s at 124M, 1024 tokens).
@@ -90,11 +96,13 @@ class ThreadTuner:
             threads = state.choice
             state.since_choice += 1
         else:
-            threads = self.candidates[state.turn % len(self.candidates)]
+            block, within = divmod(state.turn, BLOCK)
+            threads = self.candidates[block % len(self.candidates)]
+            timed = within > 0
             state.turn += 1
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        self._pending = (size, threads, time.perf_counter())
+        self._pending = (size, threads, time.perf_counter()) if timed else None
 
     def end(self) -> None:
         """Stop the clock of the forward begun last (not called when it raised)."""

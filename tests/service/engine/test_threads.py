@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import service.engine.threads as threads_module
-from service.engine.threads import ALL_THREADS_FROM, SAMPLES, ThreadTuner
+from service.engine.threads import ALL_THREADS_FROM, BLOCK, ROUNDS, ThreadTuner
+
+TUNING = 2 * ROUNDS * BLOCK  # forwards the tuner runs to measure both counts
 
 
 class FakeClock:
@@ -43,30 +45,45 @@ def test_alternates_then_keeps_the_faster_count_per_size(clock: FakeClock) -> No
     tuner = ThreadTuner(2)
     small = {1: 0.004, 2: 0.007}  # one thread wins for small forwards
     large = {1: 0.030, 2: 0.018}  # both threads win for large ones
-    used = [run(tuner, clock, 1, small) for _ in range(2 * SAMPLES)]
-    assert used[0] == 1 and sorted(used) == [1] * SAMPLES + [2] * SAMPLES  # both, equally
+    used = [run(tuner, clock, 1, small) for _ in range(TUNING)]
+    assert used == ([1] * BLOCK + [2] * BLOCK) * ROUNDS  # both, in turns, equally
     assert tuner.choices() == {1: 1}
     assert {run(tuner, clock, 1, small) for _ in range(20)} == {1}
-    used = [run(tuner, clock, 64, large) for _ in range(2 * SAMPLES)]
-    assert sorted(used) == [1] * SAMPLES + [2] * SAMPLES
+    used = [run(tuner, clock, 64, large) for _ in range(TUNING)]
+    assert sorted(used) == [1] * (TUNING // 2) + [2] * (TUNING // 2)
     assert tuner.choices() == {1: 1, 64: 2}
     assert {run(tuner, clock, 50, large) for _ in range(5)} == {2}  # 50 tokens round up to 64
 
 
 def test_large_forwards_always_use_every_thread(clock: FakeClock) -> None:
     tuner = ThreadTuner(2)
-    used = {run(tuner, clock, ALL_THREADS_FROM, {1: 0.001, 2: 0.5}) for _ in range(3 * SAMPLES)}
+    used = {run(tuner, clock, ALL_THREADS_FROM, {1: 0.001, 2: 0.5}) for _ in range(2 * TUNING)}
     assert used == {2}  # never measured on one thread, even if that looked faster
 
 
 def test_one_slow_outlier_does_not_decide(clock: FakeClock) -> None:
     tuner = ThreadTuner(2)
-    first = True
-    for _ in range(2 * SAMPLES):
+    two_thread_forwards = 0
+    for _ in range(TUNING):
         tuner.begin(8)
         used = torch.get_num_threads()
-        clock.now += 0.5 if (used == 2 and first) else (0.010 if used == 2 else 0.012)
-        first = first and used != 2
+        two_thread_forwards += used == 2
+        # The second two-thread forward is the first one timed: make it an outlier.
+        clock.now += 0.5 if (used == 2 and two_thread_forwards == 2) else (0.010 if used == 2 else 0.012)
+        tuner.end()
+    assert tuner.choices() == {8: 2}
+
+
+def test_the_forward_after_a_switch_is_not_timed(clock: FakeClock) -> None:
+    # Every switch to two threads costs one slow forward (waking the workers); settled forwards
+    # are faster on two. Timing the switch would pick one thread.
+    tuner = ThreadTuner(2)
+    previous = 1
+    for _ in range(TUNING):
+        tuner.begin(8)
+        used = torch.get_num_threads()
+        clock.now += 0.040 if (used == 2 and previous == 1) else (0.010 if used == 2 else 0.012)
+        previous = used
         tuner.end()
     assert tuner.choices() == {8: 2}
 
@@ -74,22 +91,23 @@ def test_one_slow_outlier_does_not_decide(clock: FakeClock) -> None:
 def test_remeasures_after_a_while(clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(threads_module, "RETUNE_AFTER", 10)
     tuner = ThreadTuner(2)
-    for _ in range(2 * SAMPLES):
+    for _ in range(TUNING):
         run(tuner, clock, 4, {1: 0.001, 2: 0.002})
     assert tuner.choices() == {4: 1}
     for _ in range(10):
         run(tuner, clock, 4, {1: 0.001, 2: 0.002})
     # The machine changed (say another process left): the next measurement picks 2 threads.
-    for _ in range(2 * SAMPLES + 1):
+    for _ in range(TUNING + 1):
         run(tuner, clock, 4, {1: 0.003, 2: 0.001})
     assert tuner.choices() == {4: 2}
 
 
 def test_a_failed_forward_is_not_counted(clock: FakeClock) -> None:
     tuner = ThreadTuner(2)
+    run(tuner, clock, 1, {1: 0.002, 2: 0.001})  # a block's first forward: not timed anyway
     tuner.begin(1)
-    clock.now += 100.0  # raised: end() never runs
-    for _ in range(2 * SAMPLES):
+    clock.now += 100.0  # a timed forward that raised: end() never runs
+    for _ in range(TUNING):
         run(tuner, clock, 1, {1: 0.002, 2: 0.001})
     assert tuner.choices() == {1: 2}
 
@@ -97,7 +115,7 @@ def test_a_failed_forward_is_not_counted(clock: FakeClock) -> None:
 def test_disabled_with_one_thread_or_when_asked(clock: FakeClock) -> None:
     for tuner in (ThreadTuner(1), ThreadTuner(2, enabled=False)):
         torch.set_num_threads(1)
-        for _ in range(3 * SAMPLES):
+        for _ in range(2 * TUNING):
             tuner.begin(1)
             tuner.end()
         assert tuner.choices() == {}
