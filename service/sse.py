@@ -127,10 +127,11 @@ class _KeepAlive:
 
     def _tick(self) -> None:
         assert self._interval
-        due = self._last + self._interval
-        if self._loop.time() >= due and (self._task is None or self._task.done()):
-            self._task = self._loop.create_task(self._ping())
-            due = self._loop.time() + self._interval
+        now, due = self._loop.time(), self._last + self._interval
+        if now >= due:
+            if self._task is None or self._task.done():  # else a ping is still waiting to send
+                self._task = self._loop.create_task(self._ping())
+            due = now + self._interval
         self._timer = self._loop.call_at(due, self._tick)
 
     async def _ping(self) -> None:

@@ -1,0 +1,62 @@
+"""SSE keep-alives: sent only when a response has been quiet for the interval, never mid-event."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from starlette.types import Message
+
+from service.sse import KEEPALIVE, EventStreamResponse
+
+
+async def collect(body: AsyncIterator[bytes], keepalive_s: float,
+                  send_delay_s: float = 0.0) -> tuple[list[bytes], int]:
+    """The body chunks a response sends, and how many messages it sent in all."""
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        if send_delay_s:
+            await asyncio.sleep(send_delay_s)  # a slow client: the socket buffer is full
+        sent.append(message)
+
+    await EventStreamResponse(body, keepalive_s=keepalive_s).stream_response(send)
+    assert sent[0]["type"] == "http.response.start"
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    return [m["body"] for m in sent[1:-1]], len(sent)
+
+
+async def paced(chunks: list[bytes], gap_s: float) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        await asyncio.sleep(gap_s)
+        yield chunk
+
+
+async def test_no_keepalive_while_events_flow_faster_than_the_interval() -> None:
+    events = [b"data: %d\n\n" % i for i in range(10)]
+    body, _ = await collect(paced(events, 0.01), keepalive_s=0.05)
+    assert body == events
+
+
+async def test_keepalives_fill_a_quiet_stretch_between_events() -> None:
+    events = [b"data: a\n\n", b"data: b\n\n"]
+    body, _ = await collect(paced(events, 0.27), keepalive_s=0.05)
+    assert body[-1] == events[-1] and body.count(events[0]) == 1
+    pings = body.count(KEEPALIVE)
+    # ~0.54 s of silence in two stretches at one ping per 0.05 s: about 10, fewer if the machine
+    # is slow to run timers, never more.
+    assert 3 <= pings <= 11, body
+    assert set(body) == {KEEPALIVE, *events}  # every chunk whole: a ping never splits an event
+
+
+async def test_a_slow_send_gets_one_ping_at_a_time() -> None:
+    # Sends take 0.2 s while the interval is 0.02 s: pings must not pile up behind the slow send
+    # (one in flight at most), and the timer must not spin.
+    events = [b"data: a\n\n"]
+    cpu = time.process_time()
+    body, total = await collect(paced(events, 0.3), keepalive_s=0.02, send_delay_s=0.2)
+    assert time.process_time() - cpu < 0.2  # ~0.5 s of wall time, nearly all of it asleep
+    assert body.count(events[0]) == 1
+    assert 1 <= body.count(KEEPALIVE) <= 3, body
+    assert total == len(body) + 2
