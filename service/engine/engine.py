@@ -21,6 +21,7 @@ import torch
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.tokenizer import Tokenizer, TokenizerError
 from service.engine.config import EngineConfig
+from service.engine.dtype_probe import SLOW_FACTOR, cpu_matmul_slowdown
 from service.engine.packed_linear import pack_linears, packed_linear_supported
 from service.engine.request import Request
 from service.engine.runner import ModelRunner
@@ -54,6 +55,15 @@ class Engine:
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.window = config.window_for(checkpoint.config.block_size)
         self.device = config.resolved_device()
+        self.dtype_slowdown = 1.0  # this dtype's matmul time over float32's, on a CPU
+        if self.device == "cpu" and config.torch_dtype != torch.float32:
+            self.dtype_slowdown = cpu_matmul_slowdown(config.torch_dtype)
+            if self.dtype_slowdown > SLOW_FACTOR:
+                log.warning(
+                    "engine: %s matmuls run %.0fx slower than float32 on this CPU (no native %s "
+                    "support, torch CPU capability %s): serve with dtype float32",
+                    config.dtype, self.dtype_slowdown, config.dtype, torch.backends.cpu.get_cpu_capability(),
+                )
         self.model = checkpoint.build_model(self.device, config.torch_dtype)
         self.num_params = self.model.num_params(non_embedding=False)
         self.packed_linears = 0
@@ -224,6 +234,7 @@ class Engine:
             "window": self.window,
             "device": self.device,
             "dtype": self.config.dtype,
+            "dtype_matmul_slowdown_vs_float32": round(self.dtype_slowdown, 2),
             "max_seqs": self.config.max_seqs,
             "max_queue": self.config.max_queue,
             "prefill_budget": self.config.prefill_budget,

@@ -15,11 +15,14 @@ from model.gpt import MLP
 
 
 def packed_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    # oneDNN packs bf16 weights only on CPUs with bf16 conversion instructions (AVX-512 BW/VL/DQ or
+    # AVX-NE-CONVERT); elsewhere the reorder raises, so bf16 falls back to plain F.linear there.
     return (
         device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     )
 
 
