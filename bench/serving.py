@@ -81,6 +81,8 @@ def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str
 
 
 def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str) -> dict[str, Any]:
+    import httpx
+
     from tests.service.server import running_server
 
     env = {"NANOSERVE_MAX_SEQS": str(conc), "NANOSERVE_MAX_QUEUE": str(requests),
@@ -95,12 +97,14 @@ def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str)
         cpu0 = time.process_time()
         report = load(requests)
         client_cpu = time.process_time() - cpu0
+        threads = httpx.get(f"{server.base_url}/info", timeout=10).json()["engine"]
+    threads_by_size = threads.get("cpu_threads_by_forward_size")
     summary = report.summary()
     if summary["outcomes"] != {"ok": requests}:
         raise RuntimeError(f"not every request completed: {summary['outcomes']}")
     return {"tokens": summary["tokens_generated"], "wall_s": summary["wall_s"],
             "tokens_per_s": summary["tokens_per_s"], "ttft_s": summary["ttft_s"],
-            "client_cpu_share": client_cpu / summary["wall_s"]}
+            "client_cpu_share": client_cpu / summary["wall_s"], "threads_by_size": threads_by_size}
 
 
 def main(argv: list[str] | None = None) -> int:
