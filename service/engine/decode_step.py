@@ -10,6 +10,7 @@ with the weights bound once and about half the calls per layer. The cache is the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ class _Layer:
     c_proj: nn.Module
     ln_2: nn.LayerNorm
     c_fc: nn.Module
-    gelu: bool  # False when c_fc already applies it (oneDNN post-op)
+    act: Callable[[torch.Tensor], torch.Tensor]  # the MLP's GELU module (forward, no hooks)
     mlp_proj: nn.Module
     cache: SpanLayerCache
 
@@ -45,7 +46,7 @@ class DecodeStep:
         self.layers = [
             _Layer(
                 ln_1=block.ln_1, c_attn=block.attn.c_attn, c_proj=block.attn.c_proj, ln_2=block.ln_2,
-                c_fc=block.mlp.c_fc, gelu=not isinstance(block.mlp.gelu, nn.Identity),
+                c_fc=block.mlp.c_fc, act=block.mlp.gelu.forward,
                 mlp_proj=block.mlp.c_proj, cache=layer_cache,
             )
             for block, layer_cache in zip(blocks, caches, strict=True)
@@ -66,9 +67,6 @@ class DecodeStep:
             y = cached_attention(q, keys.to(q.dtype), values.to(q.dtype), mask)
             x = x + layer.c_proj(y.reshape(b, c))
             h = F.layer_norm(x, (c,), layer.ln_2.weight, layer.ln_2.bias, layer.ln_2.eps)
-            h = layer.c_fc(h)
-            if layer.gelu:
-                h = F.gelu(h, approximate="tanh")
-            x = x + layer.mlp_proj(h)
+            x = x + layer.mlp_proj(layer.act(layer.c_fc(h)))
         x = F.layer_norm(x, (c,), m.ln_f.weight, m.ln_f.bias, m.ln_f.eps)
         return m.lm_head(x)  # type: ignore[no-any-return]

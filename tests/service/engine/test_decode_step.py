@@ -24,7 +24,7 @@ def test_decode_step_matches_the_model_forward(
     if packed:
         if not packed_linear_supported(torch.device("cpu"), torch.float32):
             pytest.skip("oneDNN packed linears are not available in this torch build")
-        pack_linears(model, batch_hint=4)  # also fuses GELU into c_fc
+        pack_linears(model, batch_hint=4)  # also swaps the MLP's GELU for SigmoidGELU
     cfg = model.config
     cache = SpanKVCache(cfg.n_layer, 6, cfg.n_head, cfg.block_size, cfg.head_dim, torch.float32, "cpu")
     step = DecodeStep(model, cache)
