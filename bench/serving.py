@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import load_avg, machine
 from bench.load import LoadConfig, percentiles, run_load
+from service.app import freeze_startup_heap
 from service.engine.threads import single_threaded_elsewhere
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "serving"))
     args = ap.parse_args(argv)
     single_threaded_elsewhere()  # the in-process engine's thread is the only one with a pool
+    # This process is the load generator both ways and the server in-process: keep full garbage
+    # collections off its start-up heap as `nanoserve serve` does (service/app.py).
+    freeze_startup_heap()
     started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_before": load_avg()}
     ckpt = Path(args.checkpoint)
     runs: dict[str, list[dict[str, Any]]] = {"in_process": [], "http": []}

@@ -28,6 +28,7 @@ Integration points for other modules:
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -105,14 +106,35 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine = await asyncio.to_thread(Engine, checkpoint, config, metrics.observer)
     metrics.bind_engine(engine)
     engine.start()
+    frozen = False
     try:
         await engine.warmup()
+        frozen = freeze_startup_heap()
         app.state.engine = engine
         log.info("serving %s (window %d) on %s", checkpoint.name, engine.window, config.resolved_device())
         yield
     finally:
         app.state.engine = None
+        if frozen:
+            gc.unfreeze()
         await drain_engine(engine, 0.0 if app.state.lifecycle.draining else settings.drain_timeout)
+
+
+def freeze_startup_heap() -> bool:
+    """Move everything alive after start-up (torch, the model, FastAPI: a few hundred thousand
+    objects) out of the cyclic garbage collector's reach; returns False if already frozen.
+
+    A full collection walks every tracked object while holding the GIL, so it stalls the engine
+    thread and every stream: measured 160-200 ms in this server during the first seconds of load
+    (the first 32 streams' time to first token 250-310 ms instead of ~60-100), 1-2 ms once
+    frozen. Reference counting still frees these objects; only cycles among them would wait
+    for `gc.unfreeze()` (at shutdown). What is garbage already goes first.
+    """
+    if gc.get_freeze_count():
+        return False  # another app in this process froze the heap; it unfreezes it
+    gc.collect()
+    gc.freeze()
+    return True
 
 
 async def drain_engine(engine: Engine, timeout_s: float) -> None:
