@@ -10,6 +10,7 @@ peer gives each the machine as it would have it alone; the driver only sends "ru
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import sys
 import traceback
@@ -69,6 +70,11 @@ def _worker(conn: Connection, peer: str, shape: str, dtype: str, threads: int, p
     ckpt = bench.make_checkpoint(shape, dtype)
     prompts = bench.prompts_for(ckpt, n_prompts, prompt_tokens)
     state: dict[str, Any] = {}
+    # Every peer alike: the start-up heap (torch, transformers, ...) out of the cyclic GC, as
+    # `nanoserve serve` does, so a 140-160 ms full collection (seen in the first runs) does not
+    # land inside one peer's measurement and not another's.
+    gc.collect()
+    gc.freeze()
     while True:
         request = conn.recv()
         if request is None:
