@@ -43,6 +43,7 @@ from service.auth import require_api_key
 from service.deps import EngineDep, SettingsDep, get_engine, get_settings, server_version
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
+from service.engine.threads import single_threaded_executor
 from service.errors import install_error_handlers
 from service.metrics import Metrics
 from service.request_guard import BodyLimitMiddleware, DrainGate, HeaderLimitMiddleware
@@ -98,6 +99,9 @@ async def drain(app: FastAPI, timeout_s: float) -> None:
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
+    # Before the first `to_thread`: blocking work (loading, the engine's weight packing, long
+    # prompts' encoding) must not leave an OpenMP pool beside the engine thread's.
+    asyncio.get_running_loop().set_default_executor(single_threaded_executor())
     checkpoint: Checkpoint | None = app.state.checkpoint
     if checkpoint is None:
         checkpoint = await asyncio.to_thread(load_checkpoint, settings.checkpoint)

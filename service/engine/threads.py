@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,24 @@ def single_threaded_elsewhere() -> None:
     """Put the calling thread on one torch thread (no OpenMP pool), and with it every thread that
     first runs torch before the engine thread sets its own count (torch copies the last count
     set into a thread at its first parallel op). Call before the process's first torch op."""
+    # torch sets a thread's count lazily, at its first parallel op or count query, to the count
+    # last set anywhere in the process: query first, so the engine thread's later counts cannot
+    # overwrite this thread's one.
+    torch.get_num_threads()
     torch.set_num_threads(1)
+
+
+def single_threaded_executor() -> ThreadPoolExecutor:
+    """A thread pool whose threads never start an OpenMP pool of their own.
+
+    torch hands its last set count only to its own parallel ops; oneDNN and MKL size their
+    parallel regions from the thread's OpenMP setting, which a new thread takes from the process
+    default (every CPU). So `nanoserve serve`, which loads the checkpoint and builds the engine
+    (oneDNN weight reorders) in the event loop's default executor, started a second pool there,
+    and every parallel region of the engine thread then paid futex wake-ups (its OpenMP worker
+    slept ~3,300 times a second under load instead of spinning). Each thread of this pool sets
+    its own count to one before it runs anything."""
+    return ThreadPoolExecutor(thread_name_prefix="nanoserve-worker", initializer=single_threaded_elsewhere)
 
 
 @dataclass

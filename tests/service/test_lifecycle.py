@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from service.cli import build_parser
 from service.serve_cli import settings_from_args
@@ -195,3 +198,13 @@ async def test_start_up_heap_is_frozen_while_serving_and_released_at_shutdown(ti
         assert (await client.get("/ready")).status_code == 200
         assert gc.get_freeze_count() > 10_000  # torch, the model and the web stack, not a handful
     assert gc.get_freeze_count() == 0
+
+
+async def test_blocking_work_off_the_event_loop_runs_on_one_torch_thread(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    # Loading and the engine's weight packing run in the loop's default executor; a thread there
+    # on OpenMP's default count started a second pool, and the engine thread's workers then slept
+    # between parallel regions (service/engine/threads.py, single_threaded_executor).
+    async with asgi_client(tiny_checkpoint) as client:
+        assert (await client.get("/ready")).status_code == 200
+        assert await asyncio.to_thread(torch.get_num_threads) == 1
+        assert await asyncio.to_thread(lambda: threading.current_thread().name.startswith("nanoserve-worker"))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +15,7 @@ import torch
 import service.engine.threads as threads_module
 from service.engine.threads import ALL_THREADS_FROM, BLOCK, ROUNDS, ThreadTuner
 
+REPO = Path(__file__).resolve().parents[3]
 TUNING = 2 * ROUNDS * BLOCK  # forwards the tuner runs to measure both counts
 
 
@@ -129,3 +133,43 @@ def test_default_cpu_threads_follows_omp_num_threads(monkeypatch: pytest.MonkeyP
     assert threads_module.default_cpu_threads() == len(os.sched_getaffinity(0))
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert threads_module.default_cpu_threads() == len(os.sched_getaffinity(0))
+
+
+
+# Run in a fresh interpreter: this test process runs with OMP_NUM_THREADS=1 (tests/conftest.py),
+# where no thread ever starts a pool. Prints the threads gained by a plain executor thread and by
+# single_threaded_executor's, each running what loading and building the engine run off the loop
+# (an elementwise op, a oneDNN weight reorder and packed linear, an MKL matmul) after another
+# thread (the engine's) set two threads.
+_POOL_PROBE = """
+import os, threading, torch
+from concurrent.futures import ThreadPoolExecutor
+from service.engine.threads import single_threaded_elsewhere, single_threaded_executor
+single_threaded_elsewhere()
+weight = torch.randn(1536, 384)
+def work():
+    torch.randn(1024, 1024).add_(1)  # a torch parallel op first: torch sets the count lazily
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    torch.ops.mkldnn._linear_pointwise(torch.randn(64, 384), packed, None, "none", [], "")
+    torch.randn(256, 384) @ weight.t()
+def gained(executor):
+    with executor:
+        executor.submit(lambda: None).result()
+        engine = threading.Thread(target=torch.set_num_threads, args=(2,))
+        engine.start(); engine.join()
+        before = len(os.listdir("/proc/self/task"))
+        executor.submit(work).result()
+        return len(os.listdir("/proc/self/task")) - before
+print(gained(ThreadPoolExecutor(1)), gained(single_threaded_executor()))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: OpenMP never starts a pool")
+def test_single_threaded_executor_starts_no_openmp_pool() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", _POOL_PROBE], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    plain, single = int(out[0]), int(out[1])
+    assert plain > 0  # the control: without it the check below could not fail
+    assert single == 0
