@@ -6,8 +6,9 @@ OpenMP threads than CPUs, every pool's workers stop spinning and sleep after abo
 spins, so each parallel region pays futex wake-ups. Measured on the 2-core machine: a 200k-element
 add took 18 us in the engine thread alone and 80-126 us once the main thread (or an executor
 thread) had run one parallel op; a whole decode forward doubled (10 -> 20 ms, 10.7M bf16 batch
-32). So process entry points call `single_threaded_elsewhere()` before touching torch, and the
-engine thread sets its own count (`default_cpu_threads()` unless configured).
+32). So process entry points call `single_threaded_elsewhere()` before touching torch, blocking
+work off the event loop runs on `single_threaded_executor()`, and the engine thread sets its own
+count (`default_cpu_threads()` unless configured).
 
 Within the engine thread the best count per forward still depends on things no formula knows:
 the model's bytes against the caches, the dtype's kernels, and what else the machine does (the
