@@ -35,7 +35,13 @@ import torch
 BLOCK = 3
 ROUNDS = 3  # blocks per candidate before choosing
 SAMPLES = ROUNDS * (BLOCK - 1)  # timed forwards per candidate
-RETUNE_AFTER = 4000  # forwards of one size between re-measurements
+# Forwards of one size between re-measurements: FIRST_RETUNE after a new or changed choice,
+# doubling each time a re-measurement confirms it, up to RETUNE_AFTER. A choice made during a
+# transient (measured through HTTP: the first load's burst of connections made two threads slower
+# in all six samples of one run, which then decoded on one thread at 1933 instead of ~2600 tok/s)
+# is corrected within seconds, and a settled one costs a measurement only every 4000 forwards.
+FIRST_RETUNE = 250
+RETUNE_AFTER = 4000
 ALL_THREADS_FROM = 128  # forward sizes (tokens) that always use every thread
 
 
@@ -77,6 +83,8 @@ class _SizeState:
     choice: int | None = None
     since_choice: int = 0
     turn: int = 0  # forwards run while measuring
+    retune_after: int = 0  # set from FIRST_RETUNE at creation
+    previous: int | None = None  # the choice before this measurement
 
 
 class ThreadTuner:
@@ -100,8 +108,10 @@ class ThreadTuner:
         size = self.size_of(tokens)
         state = self._sizes.get(size)
         if state is None:
-            state = self._sizes[size] = _SizeState({c: [] for c in self.candidates})
-        if state.choice is not None and state.since_choice >= RETUNE_AFTER:
+            state = _SizeState({c: [] for c in self.candidates}, retune_after=FIRST_RETUNE)
+            self._sizes[size] = state
+        if state.choice is not None and state.since_choice >= state.retune_after:
+            state.previous = state.choice
             state.choice, state.since_choice, state.turn = None, 0, 0
             for samples in state.samples.values():
                 samples.clear()
@@ -135,6 +145,8 @@ class ThreadTuner:
         state.samples[threads].append(time.perf_counter() - start)
         if all(len(s) >= SAMPLES for s in state.samples.values()):
             state.choice = min(self.candidates, key=lambda c: statistics.median(state.samples[c]))
+            confirmed = state.choice == state.previous
+            state.retune_after = min(2 * state.retune_after, RETUNE_AFTER) if confirmed else FIRST_RETUNE
 
     def choices(self) -> dict[int, int]:
         """Forward size -> chosen thread count, for sizes measured so far."""

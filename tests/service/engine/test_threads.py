@@ -93,7 +93,7 @@ def test_the_forward_after_a_switch_is_not_timed(clock: FakeClock) -> None:
 
 
 def test_remeasures_after_a_while(clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(threads_module, "RETUNE_AFTER", 10)
+    monkeypatch.setattr(threads_module, "FIRST_RETUNE", 10)
     tuner = ThreadTuner(2)
     for _ in range(TUNING):
         run(tuner, clock, 4, {1: 0.001, 2: 0.002})
@@ -104,6 +104,47 @@ def test_remeasures_after_a_while(clock: FakeClock, monkeypatch: pytest.MonkeyPa
     for _ in range(TUNING + 1):
         run(tuner, clock, 4, {1: 0.003, 2: 0.001})
     assert tuner.choices() == {4: 2}
+
+
+def _forwards_until_measuring(tuner: ThreadTuner, clock: FakeClock, cost: dict[int, float]) -> int:
+    """Forwards of 4 tokens run on the chosen count before the tuner measures again."""
+    count = 0
+    while True:
+        tuner.begin(4)
+        if tuner.choices().get(4) is None:  # measuring: the choice was dropped
+            clock.now += cost[torch.get_num_threads()]
+            tuner.end()
+            return count
+        clock.now += cost[torch.get_num_threads()]
+        tuner.end()
+        count += 1
+
+
+def test_a_confirmed_choice_is_remeasured_less_often_a_changed_one_soon(
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(threads_module, "FIRST_RETUNE", 10)
+    monkeypatch.setattr(threads_module, "RETUNE_AFTER", 40)
+    tuner = ThreadTuner(2)
+    one_wins, two_wins = {1: 0.001, 2: 0.002}, {1: 0.002, 2: 0.001}
+
+    def measure(cost: dict[int, float]) -> None:
+        for _ in range(TUNING - 1):  # the forward that started the measurement was the first
+            run(tuner, clock, 4, cost)
+
+    for _ in range(TUNING):
+        run(tuner, clock, 4, one_wins)
+    gaps = []
+    for _ in range(4):  # the same answer each time: 10, 20, 40, then capped at 40
+        gaps.append(_forwards_until_measuring(tuner, clock, one_wins))
+        measure(one_wins)
+        assert tuner.choices() == {4: 1}
+    assert gaps == [10, 20, 40, 40]
+    # The machine changed: the new choice is measured again after FIRST_RETUNE forwards.
+    assert _forwards_until_measuring(tuner, clock, two_wins) == 40
+    measure(two_wins)
+    assert tuner.choices() == {4: 2}
+    assert _forwards_until_measuring(tuner, clock, two_wins) == 10
 
 
 def test_a_failed_forward_is_not_counted(clock: FakeClock) -> None:
