@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.engine import RESULTS, load_avg, machine
-from service.engine.packed_linear import SigmoidGELU
+from service.engine.packed_linear import SigmoidGELU, sigmoid_gelu
 
 ROWS = [1, 8, 16, 32, 64, 128, 1024]
 WIDTHS = [1536, 3072]  # the MLP widths of the 10.7M and 124M shapes
@@ -36,12 +36,6 @@ def median_us(fn: Callable[[], object], n: int = 200) -> float:
     return 1e6 * sorted(times)[n // 2]
 
 
-def sigmoid_form(x: torch.Tensor) -> torch.Tensor:
-    """SigmoidGELU's sigmoid branch, whatever the size."""
-    y = torch.addcmul(x, x * x, x, value=0.044715)
-    return y.mul_(2 * (2 / torch.pi) ** 0.5).sigmoid_().mul_(x)
-
-
 def row(rows: int, width: int) -> str:
     """One table row: the GELU alone three ways over rows x width values."""
     weight, bias = torch.randn(width, 384), torch.randn(width)
@@ -51,7 +45,7 @@ def row(rows: int, width: int) -> str:
     plain = median_us(lambda: linear(inp, packed, bias, "none", [], ""))
     fused = median_us(lambda: linear(inp, packed, bias, "gelu", [], "tanh"))
     ref = median_us(lambda: F.gelu(x, approximate="tanh"))
-    sig = median_us(lambda: sigmoid_form(x))
+    sig = median_us(lambda: sigmoid_gelu(x))
     uses = "sigmoid form" if x.numel() in SigmoidGELU.SIGMOID_FORM else "F.gelu"
     cells = [f"{rows} x {width}", x.numel(), f"{ref:.0f}", f"{sig:.0f}", f"{fused - plain:.0f}"]
     cells += [f"{sig / ref:.2f}", uses]

@@ -10,7 +10,6 @@ peer gives each the machine as it would have it alone; the driver only sends "ru
 from __future__ import annotations
 
 import contextlib
-import gc
 import multiprocessing as mp
 import sys
 import traceback
@@ -60,6 +59,7 @@ def _worker(conn: Connection, peer: str, shape: str, dtype: str, threads: int, p
     import torch
 
     from service.engine.threads import single_threaded_elsewhere
+    from service.heap import freeze_startup_heap
 
     if peer == "engine":
         single_threaded_elsewhere()  # the engine thread takes `threads` (cpu_threads)
@@ -73,8 +73,7 @@ def _worker(conn: Connection, peer: str, shape: str, dtype: str, threads: int, p
     # Every peer alike: the start-up heap (torch, transformers, ...) out of the cyclic GC, as
     # `nanoserve serve` does, so a 140-160 ms full collection (seen in the first runs) does not
     # land inside one peer's measurement and not another's.
-    gc.collect()
-    gc.freeze()
+    freeze_startup_heap()
     while True:
         request = conn.recv()
         if request is None:

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import load_avg, machine
 from bench.load import LoadConfig, percentiles, run_load, run_loop
-from service.app import freeze_startup_heap
 from service.engine.threads import single_threaded_elsewhere
+from service.heap import freeze_startup_heap
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

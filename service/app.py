@@ -45,6 +45,7 @@ from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.threads import single_threaded_executor
 from service.errors import install_error_handlers
+from service.heap import freeze_startup_heap
 from service.metrics import Metrics
 from service.request_guard import BodyLimitMiddleware, DrainGate, HeaderLimitMiddleware
 from service.settings import Settings
@@ -122,23 +123,6 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if frozen:
             gc.unfreeze()
         await drain_engine(engine, 0.0 if app.state.lifecycle.draining else settings.drain_timeout)
-
-
-def freeze_startup_heap() -> bool:
-    """Move everything alive after start-up (torch, the model, FastAPI: a few hundred thousand
-    objects) out of the cyclic garbage collector's reach; returns False if already frozen.
-
-    A full collection walks every tracked object while holding the GIL, so it stalls the engine
-    thread and every stream: measured 160-200 ms in this server during the first seconds of load
-    (the first 32 streams' time to first token 250-310 ms instead of ~60-100), 1-2 ms once
-    frozen. Reference counting still frees these objects; only cycles among them would wait
-    for `gc.unfreeze()` (at shutdown). What is garbage already goes first.
-    """
-    if gc.get_freeze_count():
-        return False  # another app in this process froze the heap; it unfreezes it
-    gc.collect()
-    gc.freeze()
-    return True
 
 
 async def drain_engine(engine: Engine, timeout_s: float) -> None:

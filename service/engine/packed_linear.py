@@ -73,8 +73,13 @@ class SigmoidGELU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() not in self.SIGMOID_FORM:
             return F.gelu(x, approximate="tanh")
-        y = torch.addcmul(x, x * x, x, value=0.044715)
-        return y.mul_(_TWO_SQRT_2_OVER_PI).sigmoid_().mul_(x)
+        return sigmoid_gelu(x)
+
+
+def sigmoid_gelu(x: torch.Tensor) -> torch.Tensor:
+    """The tanh-form GELU as x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)), at any size."""
+    y = torch.addcmul(x, x * x, x, value=0.044715)
+    return y.mul_(_TWO_SQRT_2_OVER_PI).sigmoid_().mul_(x)
 
 
 def _swappable_gelu(mlp: MLP) -> bool:

@@ -25,7 +25,7 @@ import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -83,7 +83,7 @@ class _SizeState:
     choice: int | None = None
     since_choice: int = 0
     turn: int = 0  # forwards run while measuring
-    retune_after: int = 0  # set from FIRST_RETUNE at creation
+    retune_after: int = field(default_factory=lambda: FIRST_RETUNE)  # read when created
     previous: int | None = None  # the choice before this measurement
 
 
@@ -108,8 +108,7 @@ class ThreadTuner:
         size = self.size_of(tokens)
         state = self._sizes.get(size)
         if state is None:
-            state = _SizeState({c: [] for c in self.candidates}, retune_after=FIRST_RETUNE)
-            self._sizes[size] = state
+            state = self._sizes[size] = _SizeState({c: [] for c in self.candidates})
         if state.choice is not None and state.since_choice >= state.retune_after:
             state.previous = state.choice
             state.choice, state.since_choice, state.turn = None, 0, 0

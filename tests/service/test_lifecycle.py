@@ -192,7 +192,7 @@ def test_every_setting_is_documented() -> None:
 
 async def test_start_up_heap_is_frozen_while_serving_and_released_at_shutdown(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
     # A full garbage collection over the start-up heap stalled every stream for 160-200 ms
-    # (service/app.py, freeze_startup_heap); frozen objects are out of its reach.
+    # (service/heap.py, freeze_startup_heap); frozen objects are out of its reach.
     assert gc.get_freeze_count() == 0
     async with asgi_client(tiny_checkpoint) as client:
         assert (await client.get("/ready")).status_code == 200

@@ -176,7 +176,6 @@ def test_default_cpu_threads_follows_omp_num_threads(monkeypatch: pytest.MonkeyP
     assert threads_module.default_cpu_threads() == len(os.sched_getaffinity(0))
 
 
-
 # Run in a fresh interpreter: this test process runs with OMP_NUM_THREADS=1 (tests/conftest.py),
 # where no thread ever starts a pool. Prints the threads gained by a plain executor thread and by
 # single_threaded_executor's, each running what loading and building the engine run off the loop
