@@ -7,7 +7,8 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: install serve test lint typecheck bench clean
 
-$(VENV)/.installed: pyproject.toml
+# decode.c: `pip install -e .` compiles the native decode step, so a change to it reinstalls.
+$(VENV)/.installed: pyproject.toml service/engine/native/decode.c
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH_SPEC)"

@@ -34,6 +34,9 @@ class EngineConfig:
     compile: bool = False  # torch.compile the decode step (warm-up compiles it)
     # CPU: run linear layers through oneDNN with weights reordered once (see packed_linear.py).
     packed_linear: bool = True
+    # CPU float32: decode steps as one native call (see native_step.py); off, or where it cannot
+    # run, decode steps go through torch's kernels.
+    native_decode: bool = True
     # TEST-ONLY hook for exercising fault isolation in a running server. "nan:<marker>": rows
     # whose prompt text contains <marker> get NaN logits; "raise:<marker>": the forward pass
     # raises whenever such a row is in the batch. Never set it in production.

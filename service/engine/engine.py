@@ -22,6 +22,8 @@ from model.checkpoint import Checkpoint, load_checkpoint
 from model.tokenizer import Tokenizer, TokenizerError
 from service.engine.config import EngineConfig
 from service.engine.dtype_probe import SLOW_FACTOR, cpu_matmul_slowdown
+from service.engine.native_step import capture_weights
+from service.engine.native_step import unavailable_reason as native_unavailable
 from service.engine.packed_linear import pack_linears, packed_linear_supported
 from service.engine.request import Request
 from service.engine.runner import ModelRunner
@@ -66,6 +68,9 @@ class Engine:
                 )
         self.model = checkpoint.build_model(self.device, config.torch_dtype)
         self.num_params = self.model.num_params(non_embedding=False)
+        self.native_decode_off = self._native_decode_off(config)
+        # Before packing: the native step reads the weights in nn.Linear's plain layout.
+        native_weights = capture_weights(self.model) if self.native_decode_off is None else None
         self.packed_linears = 0
         packable = packed_linear_supported(self.model.wte.weight.device, config.torch_dtype)
         if config.packed_linear and packable and not config.compile:
@@ -73,7 +78,7 @@ class Engine:
         self.runner = ModelRunner(
             self.model, config.max_seqs, self.window,
             usable_vocab=self.tokenizer.vocab_size, deterministic=config.deterministic,
-            cpu_threads=config.cpu_threads or default_cpu_threads(),
+            cpu_threads=config.cpu_threads or default_cpu_threads(), native_weights=native_weights,
         )
         if config.compile:
             # Shapes vary with batch size, chunk length and attention span: compile dynamically.
@@ -81,6 +86,7 @@ class Engine:
             # warmup() should run before the engine reports ready.
             self.runner.model = torch.compile(self.model, dynamic=True)  # type: ignore[assignment]
             self.runner.decode_step = None
+            self.runner.native_step = None
         self.scheduler = Scheduler(self.runner, self.tokenizer, config, self.window)
         self._fault_kind, _, self._fault_marker = (config.fault_injection or "").partition(":")
         self._waiting = WaitingQueue()
@@ -96,6 +102,16 @@ class Engine:
             checkpoint.name, self.device, config.dtype, config.max_seqs, self.window,
             self.runner.cache.nbytes / 2**20,
         )
+
+    def _native_decode_off(self, config: EngineConfig) -> str | None:
+        """Why decode steps will not use the native step (None: they will); logged once."""
+        reason = native_unavailable(torch.device(self.device), config.torch_dtype)
+        if not config.native_decode:
+            reason = "native_decode is off"
+        elif config.compile:
+            reason = "the model is compiled (the compiled graph runs every step)"
+        log.info("engine: native decode step %s", f"off ({reason})" if reason else "on")
+        return reason
 
     @classmethod
     def from_path(
@@ -247,6 +263,7 @@ class Engine:
             # Forward size (tokens, rounded up to a power of two) -> threads the tuner chose.
             "cpu_threads_by_forward_size": {str(k): v for k, v in self.runner.threads.choices().items()},
             "packed_linear": self.packed_linears > 0,
+            "native_decode": self.native_decode_off is None,
             "kv_cache_bytes": self.runner.cache.nbytes,
             "provenance": self.checkpoint.provenance,
         }

@@ -15,6 +15,7 @@ from model.gpt import GPT
 from model.sampling import SamplingBatch, sample_tokens, seeded_uniform, token_logprobs
 from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
+from service.engine.native_step import NativeDecodeStep
 from service.engine.request import Request
 from service.engine.threads import ThreadTuner
 
@@ -50,7 +51,7 @@ class SampleResult:
 class ModelRunner:
     def __init__(
         self, model: GPT, slots: int, window: int, usable_vocab: int, deterministic: bool = False,
-        cpu_threads: int = 1,
+        cpu_threads: int = 1, native_weights: list[torch.Tensor | None] | None = None,
     ) -> None:
         self.model = model
         self.device = model.wte.weight.device
@@ -61,6 +62,12 @@ class ModelRunner:
         # Decode steps (one token per row) skip the general forward (decode_step.py); None
         # when the model is compiled, so the compiled graph runs every step.
         self.decode_step: DecodeStep | None = DecodeStep(model, self.cache)
+        # ... and on CPU in float32, as one native call (native_step.py; weights captured before
+        # the linears were packed). Rows are computed independently there, so batched and alone
+        # give the same bits and deterministic mode may use it too.
+        self.native_step: NativeDecodeStep | None = None
+        if native_weights is not None:
+            self.native_step = NativeDecodeStep(model, native_weights, self.cache, max_threads=cpu_threads)
         self.vocab = model.config.vocab_size
         # nanoGPT pads the vocabulary (50257 -> 50304) for speed: ids the tokenizer cannot
         # decode must never be sampled.
@@ -115,17 +122,21 @@ class ModelRunner:
         if any(item.req.fault == "raise" for item in items):
             raise InjectedFault("injected fault (fault_injection raise)")
         t = len(items[0].tokens)
-        idx = torch.tensor([item.tokens for item in items], dtype=torch.long, device=self.device)
-        start = torch.tensor([item.start for item in items], dtype=torch.long, device=self.device)
-        pos = start.view(-1, 1) + torch.arange(t, device=self.device).view(1, -1)  # (G, T)
         slot_list = [item.req.slot for item in items]
-        slots = torch.tensor(slot_list, dtype=torch.long, device=self.device)
-        self.cache.prepare(slot_list, [item.start + t for item in items])
         self.threads.begin(len(items) * t)
-        if t == 1 and self.decode_step is not None:
-            logits = self.decode_step(idx.view(-1), pos.view(-1), slots)
+        if t == 1 and self.native_step is not None:
+            logits = self.native_step([it.tokens[0] for it in items], [it.start for it in items], slot_list)
         else:
-            logits = self.model(idx, input_pos=pos, cache=self.cache, slots=slots, last_only=True)[:, -1, :]
+            idx = torch.tensor([item.tokens for item in items], dtype=torch.long, device=self.device)
+            start = torch.tensor([item.start for item in items], dtype=torch.long, device=self.device)
+            pos = start.view(-1, 1) + torch.arange(t, device=self.device).view(1, -1)  # (G, T)
+            slots = torch.tensor(slot_list, dtype=torch.long, device=self.device)
+            self.cache.prepare(slot_list, [item.start + t for item in items])
+            if t == 1 and self.decode_step is not None:
+                logits = self.decode_step(idx.view(-1), pos.view(-1), slots)
+            else:
+                out = self.model(idx, input_pos=pos, cache=self.cache, slots=slots, last_only=True)
+                logits = out[:, -1, :]
         self.threads.end()
         nan_rows = [j for j, item in enumerate(items) if item.req.fault == "nan"]
         if nan_rows:

@@ -6,6 +6,7 @@
   has the engine's test-only fault injection "nan:" (prompts containing FAULT_MARKER get NaN
   logits), which needs a server of its own and costs the security tests nothing.
 - `raise`: fault injection "raise:" (the forward pass raises when such a prompt is in the batch).
+  It and `secure` serve a 512-token window (LONG_WINDOW), the others the tiny 64-token one.
 - `drain`: gets SIGTERM under load.
 
 All run the real `nanoserve serve` through the HTTP tests' harness (tests/service/server.py).
@@ -21,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import make_tiny_checkpoint
 from tests.service.server import ServerProcess, start_server, wait_ready
 
 SHARED_MAX_SEQS = 8
@@ -45,9 +47,22 @@ FLEET = {
 }
 
 
+# Servers whose tests need long generations inside the window (the fault test's batch-mates must
+# still be decoding when a request that joined them fails): a 512-token window, not 64.
+LONG_WINDOW = {"secure", "raise"}
+LONG_WINDOW_TOKENS = 512
+
+
 @pytest.fixture(scope="session")
-def fleet(tiny_checkpoint: Path) -> Iterator[dict[str, ServerProcess]]:
-    servers = {name: start_server(tiny_checkpoint, env={**ONE_THREAD, **env}) for name, env in FLEET.items()}
+def fleet(
+    tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, ServerProcess]]:
+    long_dir = tmp_path_factory.mktemp("ckpt") / "tiny-long"
+    long_window = make_tiny_checkpoint(long_dir, block_size=LONG_WINDOW_TOKENS)
+    servers = {
+        name: start_server(long_window if name in LONG_WINDOW else tiny_checkpoint, env={**ONE_THREAD, **env})
+        for name, env in FLEET.items()
+    }
     try:
         for server in servers.values():
             wait_ready(server, timeout=READY_TIMEOUT_S)

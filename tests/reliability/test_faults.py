@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from bench.load import LoadConfig, LoadReport, RequestResult, run_load
-from tests.reliability.conftest import API_KEYS, SHARED_MAX_SEQS
+from tests.reliability.conftest import API_KEYS, LONG_WINDOW_TOKENS, SHARED_MAX_SEQS
 from tests.reliability.conftest import FAULT_MARKER as MARKER
 from tests.reliability.observe import scrape, total, wait_until
 from tests.service.server import ServerProcess
@@ -154,21 +154,25 @@ def test_engine_fault_ends_one_request_with_an_error_event(
     url = fleet[server].base_url
     key = API_KEYS[0] if server == "secure" else None
 
-    tokens = 60  # "Hi" + 60 tokens stay inside the 64-token window: no context shift
+    # "Hi" + 500 tokens stay inside these servers' 512-token window: no context shift. Mates must
+    # still be decoding when the poisoned request's error comes back (~20-30 ms after it is sent):
+    # 60 tokens were decoded in ~20 ms once the decode step went native, and all were done.
+    tokens = LONG_WINDOW_TOKENS - 12
+    mates_n = 3
 
     progress: dict[int, int] = {}  # mate -> tokens received so far
 
     async def batch() -> tuple[LoadReport, LoadReport, dict[int, int]]:
-        # The poisoned request is sent once all three mates are generating, so it joins their batch.
+        # The poisoned request is sent once all the mates are generating, so it joins their batch.
         generating = asyncio.Event()
 
         def on_token(r: RequestResult) -> None:
             progress[r.index] = r.tokens
-            if len(progress) == 3:
+            if len(progress) == mates_n:
                 generating.set()
 
         mates = asyncio.ensure_future(run_load(LoadConfig(
-            url=url, concurrency=3, requests=3, prompt="Hi", max_new_tokens=tokens, seed=50,
+            url=url, concurrency=mates_n, requests=mates_n, prompt="Hi", max_new_tokens=tokens, seed=50,
             timeout_s=60, api_key=key, on_token=on_token)))
         await asyncio.wait_for(generating.wait(), 60)
         poisoned = await run_load(LoadConfig(url=url, concurrency=1, requests=1, prompt=f"Hi {MARKER}!",
@@ -182,7 +186,7 @@ def test_engine_fault_ends_one_request_with_an_error_event(
     assert any(n < tokens for n in at_error.values()), f"no mate was still generating: {at_error}"
     assert_complete(mates.results, tokens)
     # Batch-mates produced exactly what they produce alone (same seeds, nothing poisoned around).
-    alone = load(url, 1, requests=3, prompt="Hi", max_new_tokens=tokens, seed=50, api_key=key)
+    alone = load(url, 1, requests=mates_n, prompt="Hi", max_new_tokens=tokens, seed=50, api_key=key)
     assert [r.text for r in alone.results] == [r.text for r in mates.results]
     assert httpx.get(f"{url}/ready", timeout=10).status_code == 200
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200

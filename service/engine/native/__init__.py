@@ -1,0 +1,1 @@
+"""The native decode step's C source (decode.c) and, once built, its library."""

@@ -1,0 +1,163 @@
+"""The decode step as one native call (native/decode.c), on CPU in float32.
+
+At batch 1 a decode step streams every weight once and is bound by memory bandwidth; through
+torch's kernels it reached 5-7 GB/s of the 25-30 GB/s this machine streams with two threads
+(measured, docs/engine.md), because each of the step's ~25 library calls is its own parallel
+region with its own way of splitting the weight, and the Python between them is serial. The native
+step runs the whole forward in one OpenMP region on the engine thread's own team (libgomp's entry
+points, taken from the libgomp torch loaded), so it starts no second thread pool, and its
+matrix-vector products block four weight rows against three batch rows, so larger batches reuse
+each loaded weight (it stays ahead of the oneDNN path up to the 64 rows measured).
+
+It computes what `DecodeStep` computes (the parity tests compare them) with a different
+summation order, so logits agree to float32 rounding, not bit for bit. Each row is computed on
+its own (no reduction runs across rows, and the threads split output features, never a sum), so
+a row's logits do not depend on the batch around it or on the thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from model.gpt import GPT, Block
+from service.engine.kv_slots import SpanKVCache
+
+log = logging.getLogger(__name__)
+
+_OMP_ENTRY_POINTS = ("GOMP_parallel", "GOMP_barrier", "omp_get_thread_num", "omp_get_num_threads")
+_LIBRARY_NAME = "_decode"
+_WEIGHTS_PER_LAYER = 12  # ln_1, c_attn, c_proj, ln_2, c_fc, mlp c_proj: weight and bias each
+
+
+def library_path() -> Path | None:
+    """The compiled native/decode.c (`pip install` builds it, see pyproject.toml), if present."""
+    here = Path(__file__).parent / "native"
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = here / f"{_LIBRARY_NAME}{suffix}"
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def omp_entry_points() -> list[int] | None:
+    """Addresses of libgomp's parallel-region entry points as torch loaded them, or None when
+    torch's OpenMP runtime does not export them (the step then runs on the calling thread)."""
+    process = ctypes.CDLL(None)
+    addresses = []
+    for name in _OMP_ENTRY_POINTS:
+        fn = getattr(process, name, None)
+        if fn is None:
+            return None
+        addresses.append(ctypes.cast(fn, ctypes.c_void_p).value or 0)
+    return addresses
+
+
+def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the native step cannot run here, or None when it can."""
+    if device.type != "cpu":
+        return f"device is {device.type} (the native step is CPU-only)"
+    if dtype != torch.float32:
+        return f"dtype is {dtype} (the native step is float32-only)"
+    if library_path() is None:
+        return "service/engine/native/decode.c is not built (pip install builds it; needs a C compiler)"
+    return None
+
+
+def capture_weights(model: GPT) -> list[torch.Tensor | None]:
+    """The model's weights in the order ns_create reads them, without the KV cache buffers (the
+    step adds its cache's). Taken before the linears are packed: packing drops the plain layout."""
+    w: list[torch.Tensor | None] = [model.wte.weight, model.wpe.weight]
+    blocks: list[Block] = list(model.h)  # type: ignore[arg-type]
+    for block in blocks:
+        attn, mlp = block.attn, block.mlp
+        modules: tuple[nn.Module, ...] = (
+            block.ln_1, attn.c_attn, attn.c_proj, block.ln_2, mlp.c_fc, mlp.c_proj,
+        )
+        for module in modules:
+            w += [module.weight, module.bias]  # type: ignore[list-item]
+    w += [model.ln_f.weight, model.ln_f.bias, model.lm_head.weight, model.lm_head.bias]
+    return [t.detach().contiguous() if t is not None else None for t in w]
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.ns_create.restype = ctypes.c_void_p
+    lib.ns_create.argtypes = [*[ctypes.c_int] * 8, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+    lib.ns_step.restype = None
+    lib.ns_step.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 4, ctypes.c_int]
+    lib.ns_free.restype = None
+    lib.ns_free.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+class NativeDecodeStep:
+    """(tokens, positions, slots) of the rows that each feed one token -> logits (B, V).
+
+    The library keeps raw pointers into the weights and the cache's buffers: this object holds
+    the tensors, so they live as long as it does."""
+
+    def __init__(
+        self, model: GPT, weights: list[torch.Tensor | None], cache: SpanKVCache, max_threads: int,
+        use_openmp: bool = True,
+    ) -> None:
+        path = library_path()
+        if path is None:
+            raise RuntimeError("service/engine/native/decode.c is not built")
+        self._lib = _load(path)
+        cfg = model.config
+        self.vocab, self.window, self.slots = cfg.vocab_size, cache.capacity, cache.slots
+        self.max_threads = max_threads
+        caches: list = list(cache.layers)
+        tensors: list[torch.Tensor | None] = weights[:2]
+        for i, layer in enumerate(caches):
+            tensors += weights[2 + i * _WEIGHTS_PER_LAYER : 2 + (i + 1) * _WEIGHTS_PER_LAYER]
+            tensors += [layer.k, layer.v]
+        tensors += weights[2 + len(caches) * _WEIGHTS_PER_LAYER :]
+        for t in tensors:
+            plain = t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
+            if not plain:
+                raise ValueError("the native step needs contiguous float32 CPU tensors")
+        self._tensors = tensors
+        ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() if t is not None else None for t in tensors])
+        omp = omp_entry_points() if use_openmp else None
+        if omp is None and max_threads > 1:
+            log.warning("native decode step: no libgomp entry points in this process, one thread only")
+        self._omp = (ctypes.c_void_p * len(omp))(*omp) if omp else None
+        self._handle = self._lib.ns_create(
+            cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cache.slots, cache.capacity, cache.slots,
+            max_threads, cfg.layer_norm_epsilon, ptrs, self._omp,
+        )
+        if not self._handle:
+            raise MemoryError("the native decode step could not allocate its buffers")
+
+    def __call__(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """One token per row: row i feeds tokens[i] at positions[i] into cache slot slots[i]
+        (writing its key and value there) and attends over that slot's positions 0..positions[i]."""
+        rows = len(tokens)
+        if not 0 < rows <= self.slots or len(positions) != rows or len(slots) != rows:
+            raise ValueError(
+                f"the native step takes 1..{self.slots} rows of one token, position and slot each"
+            )
+        # The library indexes raw memory with these: check every one (a few rows, cheap).
+        for name, values, bound in (("token", tokens, self.vocab), ("position", positions, self.window),
+                                    ("slot", slots, self.slots)):
+            bad = [v for v in values if not 0 <= v < bound]
+            if bad:
+                raise ValueError(f"native decode step: {name} {bad[0]} is outside [0, {bound})")
+        row_array = ctypes.c_int64 * rows
+        logits = torch.empty(rows, self.vocab, dtype=torch.float32)
+        threads = max(1, min(torch.get_num_threads(), self.max_threads))
+        self._lib.ns_step(self._handle, rows, row_array(*tokens), row_array(*positions), row_array(*slots),
+                          logits.data_ptr(), threads)
+        return logits
+
+    def __del__(self) -> None:
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle:
+            self._lib.ns_free(handle)

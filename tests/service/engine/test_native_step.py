@@ -1,0 +1,137 @@
+"""The native decode step (service/engine/native/decode.c) gives the torch decode step's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.checkpoint import Checkpoint
+from model.config import GPTConfig
+from model.gpt import GPT
+from service.engine.decode_step import DecodeStep
+from service.engine.kv_slots import SpanKVCache
+from service.engine.native_step import NativeDecodeStep, capture_weights, library_path, omp_entry_points
+from tests.conftest import IN_CI
+from tests.service.engine.conftest import EngineFactory, collect, token_ids
+
+# Widths that are not multiples of the kernels' vector and block sizes (40 features, heads of 10,
+# 97 logits), so every tail path runs; and the common aligned shape.
+SHAPES = {
+    "ragged": GPTConfig(vocab_size=97, block_size=48, n_layer=2, n_head=4, n_embd=40),
+    "aligned": GPTConfig(vocab_size=64, block_size=48, n_layer=2, n_head=2, n_embd=64, bias=False),
+}
+
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    if library_path() is None:
+        message = "service/engine/native/decode.c is not built (pip install -e . builds it)"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def _model(cfg: GPTConfig) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)  # sharper logits than GPT-2's init: differences would show
+    return model
+
+
+def _prefilled(model: GPT, slots: int, lengths: dict[int, int]) -> SpanKVCache:
+    cfg = model.config
+    cache = SpanKVCache(cfg.n_layer, slots, cfg.n_head, cfg.block_size, cfg.head_dim, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for slot, n in lengths.items():
+            cache.prepare([slot], [n])
+            prompt = torch.randint(0, cfg.vocab_size, (1, n), generator=gen)
+            model(prompt, input_pos=torch.arange(n).view(1, -1), cache=cache, slots=torch.tensor([slot]))
+    return cache
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("rows", [1, 3, 5])  # 5: a block of three rows and two single rows
+@pytest.mark.parametrize("openmp", [True, False])
+@torch.no_grad()
+def test_native_step_matches_the_torch_decode_step(shape: str, rows: int, openmp: bool) -> None:
+    if openmp and omp_entry_points() is None:
+        pytest.skip("torch's OpenMP runtime exports no libgomp entry points here")
+    model = _model(SHAPES[shape])
+    slots = [6, 0, 3, 1, 4][:rows]  # scattered slots, each at its own position
+    lengths = dict(zip(slots, [5, 17, 1, 30, 9], strict=False))
+    torch_cache, native_cache = _prefilled(model, 8, lengths), _prefilled(model, 8, lengths)
+    reference = DecodeStep(model, torch_cache)
+    native = NativeDecodeStep(model, capture_weights(model), native_cache, max_threads=2, use_openmp=openmp)
+    gen = torch.Generator().manual_seed(2)
+    positions = [lengths[s] for s in slots]
+    torch.set_num_threads(2)
+    try:
+        for _ in range(4):
+            tokens = torch.randint(0, model.config.vocab_size, (rows,), generator=gen).tolist()
+            torch_cache.prepare(slots, [p + 1 for p in positions])
+            want = reference(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots))
+            got = native(tokens, positions, slots)
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+            positions = [p + 1 for p in positions]
+    finally:
+        torch.set_num_threads(1)
+    # The keys and values it wrote are the torch path's, to rounding.
+    for theirs, ours in zip(torch_cache.layers, native_cache.layers, strict=True):
+        torch.testing.assert_close(ours.k, theirs.k, rtol=2e-5, atol=2e-5)  # type: ignore[union-attr]
+        torch.testing.assert_close(ours.v, theirs.v, rtol=2e-5, atol=2e-5)  # type: ignore[union-attr]
+
+
+@torch.no_grad()
+def test_a_row_gets_the_same_bits_alone_batched_and_on_any_thread_count() -> None:
+    model = _model(SHAPES["ragged"])
+    lengths = {0: 7, 1: 12, 2: 3, 3: 20}
+    results = []
+    for rows, threads in ((4, 2), (1, 2), (4, 1), (1, 1)):
+        cache = _prefilled(model, 4, lengths)
+        native = NativeDecodeStep(model, capture_weights(model), cache, max_threads=2)
+        torch.set_num_threads(threads)
+        try:
+            slots = list(range(rows))
+            logits = native([5, 9, 2, 40][:rows], [lengths[s] for s in slots], slots)
+        finally:
+            torch.set_num_threads(1)
+        results.append(logits[0])
+    for other in results[1:]:
+        assert torch.equal(other, results[0])
+
+
+@pytest.mark.parametrize(
+    ("tokens", "positions", "slots", "message"),
+    [
+        ([97], [3], [0], "token 97 is outside"),
+        ([1], [48], [0], "position 48 is outside"),
+        ([1], [-1], [0], "position -1 is outside"),
+        ([1], [3], [4], "slot 4 is outside"),
+        ([1, 2], [3], [0, 1], "rows of one token"),
+        ([1] * 5, [3] * 5, [0] * 5, "rows of one token"),
+    ],
+)
+def test_out_of_range_rows_raise_instead_of_reaching_the_library(
+    tokens: list[int], positions: list[int], slots: list[int], message: str
+) -> None:
+    model = _model(SHAPES["ragged"])
+    native = NativeDecodeStep(model, capture_weights(model), _prefilled(model, 4, {}), max_threads=1)
+    with pytest.raises(ValueError, match=message):
+        native(tokens, positions, slots)
+
+
+async def test_the_engine_decodes_natively_with_the_torch_paths_tokens(
+    make_engine: EngineFactory, lively: Checkpoint
+) -> None:
+    native = make_engine(max_seqs=4)
+    plain = make_engine(max_seqs=4, native_decode=False)
+    assert native.info()["native_decode"] is True
+    assert plain.info()["native_decode"] is False
+    assert native.runner.native_step is not None and plain.runner.native_step is None
+    for prompt in ("hello wor", "The quick brown", "~~ 42 ~~"):
+        want = token_ids(await collect(plain, prompt, max_new_tokens=40, temperature=0.0))
+        got = token_ids(await collect(native, prompt, max_new_tokens=40, temperature=0.0))
+        assert got == want
