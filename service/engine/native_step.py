@@ -69,20 +69,40 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+PANEL = 16  # decode.c's PANEL
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's (out, in) weight as decode.c reads it: panels of PANEL output features, (out /
+    PANEL, in, PANEL), zero-padded to whole panels."""
+    out, inp = weight.shape
+    pad = -out % PANEL
+    if pad:
+        weight = torch.cat([weight, weight.new_zeros(pad, inp)])
+    return weight.reshape(-1, PANEL, inp).transpose(1, 2).contiguous()
+
+
 def capture_weights(model: GPT) -> list[torch.Tensor | None]:
-    """The model's weights in the order ns_create reads them, without the KV cache buffers (the
-    step adds its cache's). Taken before the linears are packed: packing drops the plain layout."""
-    w: list[torch.Tensor | None] = [model.wte.weight, model.wpe.weight]
+    """The model's weights in the order ns_create reads them (linear weights packed in panels),
+    without the KV cache buffers (the step adds its cache's). Taken before the engine packs its
+    linears for oneDNN, which drops nn.Linear's layout."""
+
+    def plain(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t.detach().contiguous() if t is not None else None
+
+    def linear(module: nn.Linear) -> list[torch.Tensor | None]:
+        return [pack_panels(module.weight.detach()), plain(module.bias)]
+
+    def norm(module: nn.LayerNorm) -> list[torch.Tensor | None]:
+        return [plain(module.weight), plain(module.bias)]
+
+    w: list[torch.Tensor | None] = [plain(model.wte.weight), plain(model.wpe.weight)]
     blocks: list[Block] = list(model.h)  # type: ignore[arg-type]
     for block in blocks:
         attn, mlp = block.attn, block.mlp
-        modules: tuple[nn.Module, ...] = (
-            block.ln_1, attn.c_attn, attn.c_proj, block.ln_2, mlp.c_fc, mlp.c_proj,
-        )
-        for module in modules:
-            w += [module.weight, module.bias]  # type: ignore[list-item]
-    w += [model.ln_f.weight, model.ln_f.bias, model.lm_head.weight, model.lm_head.bias]
-    return [t.detach().contiguous() if t is not None else None for t in w]
+        w += norm(block.ln_1) + linear(attn.c_attn) + linear(attn.c_proj)
+        w += norm(block.ln_2) + linear(mlp.c_fc) + linear(mlp.c_proj)
+    return w + norm(model.ln_f) + linear(model.lm_head)
 
 
 def _load(path: Path) -> ctypes.CDLL:

@@ -170,15 +170,20 @@ class ModelRunner:
         logits = torch.where(finite.view(-1, 1), logits, 0.0)
         if self.usable_vocab < self.vocab:
             logits[:, self.usable_vocab :] = float("-inf")
-        batch = self._batch(reqs)
-        slots = torch.tensor([r.slot for r in reqs], device=self.device)
-        penal = batch.repetition_penalty is not None or batch.frequency_penalty is not None
-        tokens = sample_tokens(
-            logits, batch,
-            seen=self.seen.index_select(0, slots) if penal else None,
-            counts=self.counts.index_select(0, slots) if penal else None,
-        )
-        self._record(reqs, tokens)
+        if all(r.params.temperature == 0 and not _uses_penalties(r) for r in reqs):
+            # Greedy rows without penalties: what sample_tokens returns for them, without building
+            # the sampling batch (a handful of small tensors: ~0.1 ms of a ~2 ms batch-1 step).
+            tokens = logits.float().argmax(dim=-1)
+        else:
+            batch = self._batch(reqs)
+            slots = torch.tensor([r.slot for r in reqs], device=self.device)
+            penal = batch.repetition_penalty is not None or batch.frequency_penalty is not None
+            tokens = sample_tokens(
+                logits, batch,
+                seen=self.seen.index_select(0, slots) if penal else None,
+                counts=self.counts.index_select(0, slots) if penal else None,
+            )
+            self._record(reqs, tokens)
         top_n = max(r.params.top_n_tokens for r in reqs)
         want_lp = top_n > 0 or any(r.params.logprobs for r in reqs)
         lp = top_v = top_i = None

@@ -1,0 +1,118 @@
+"""The decode forward alone: the native step (service/engine/native/decode.c) vs the torch step.
+
+    python bench/decode_step.py [--shapes 10.7M,124M] [--rows 1,4,16,64] [--threads 2]
+
+For each random-weight model shape and batch size: the same cache, prefilled to position 40 for
+every row, and the same one-token batch, run through the torch decode step (oneDNN packed
+linears, as the engine runs it) and the native step, alternating in one process; each variant
+runs `--steps` forwards per round, `--rounds` rounds, median per round reported, best round kept.
+Also prints the weight bytes each step reads and the GB/s that implies at batch 1. Writes
+bench/results/decode-step.md. Not a test: nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.engine import SHAPES, machine
+from model.config import GPTConfig
+from model.gpt import GPT
+from service.engine.decode_step import DecodeStep
+from service.engine.kv_slots import SpanKVCache
+from service.engine.native_step import NativeDecodeStep, capture_weights
+from service.engine.packed_linear import pack_linears
+
+RESULTS = Path(__file__).resolve().parent / "results"
+POSITION = 40
+
+
+def _time(fn, steps: int) -> float:  # type: ignore[no-untyped-def]
+    samples = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+@torch.inference_mode()
+def bench_shape(shape: str, rows_list: list[int], steps: int, rounds: int) -> list[str]:
+    cfg = GPTConfig(**SHAPES[shape])
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    slots = max(rows_list)
+    cache = SpanKVCache(cfg.n_layer, slots, cfg.n_head, cfg.block_size, cfg.head_dim, torch.float32, "cpu")
+    native = NativeDecodeStep(model, capture_weights(model), cache, max_threads=torch.get_num_threads())
+    pack_linears(model, batch_hint=slots)
+    reference = DecodeStep(model, cache)
+    for slot in range(slots):  # every row at POSITION, its own prompt
+        cache.prepare([slot], [POSITION])
+        prompt = torch.randint(0, cfg.vocab_size, (1, POSITION))
+        model(prompt, input_pos=torch.arange(POSITION).view(1, -1), cache=cache, slots=torch.tensor([slot]))
+    layer_bytes = sum(p.numel() for n, p in model.named_parameters() if ".h." in f".{n}") * 4
+    weight_bytes = layer_bytes + cfg.vocab_size * cfg.n_embd * 4  # + the output projection
+    lines = []
+    for rows in rows_list:
+        tokens = torch.randint(0, cfg.vocab_size, (rows,))
+        pos, slot_t = torch.full((rows,), POSITION), torch.arange(rows)
+        tok_list, pos_list, slot_list = tokens.tolist(), pos.tolist(), slot_t.tolist()
+
+        def run_torch() -> None:
+            cache.prepare(slot_list, [POSITION + 1] * rows)  # noqa: B023
+            reference(tokens, pos, slot_t)  # noqa: B023
+
+        def run_native() -> None:
+            native(tok_list, pos_list, slot_list)  # noqa: B023
+
+        best_t, best_n = float("inf"), float("inf")
+        for _ in range(rounds):
+            best_t = min(best_t, _time(run_torch, steps))
+            best_n = min(best_n, _time(run_native, steps))
+        gbps = f"{weight_bytes / best_n / 1e9:.1f}" if rows == 1 else "-"
+        lines.append(f"| {shape} | {rows} | {best_t * 1e3:.2f} | {best_n * 1e3:.2f} | "
+                     f"{best_t / best_n:.2f} | {rows / best_n:.0f} | {gbps} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="10.7M,124M")
+    ap.add_argument("--rows", default="1,4,16,64")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(RESULTS / "decode-step.md"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    m = machine()
+    header = [
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {torch.__version__}, {args.threads} threads; "
+        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}. Every row at position {POSITION}; "
+        f"median of {args.steps} forwards per round, best of {args.rounds} alternating rounds.",
+        "",
+        "| model | rows | torch step ms | native step ms | torch / native | native tok/s "
+        "| native GB/s (batch 1) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(header), flush=True)
+    lines = []
+    rows = [int(r) for r in args.rows.split(",")]
+    for shape in args.shapes.split(","):
+        steps = args.steps if shape == "10.7M" else max(5, args.steps // 4)
+        lines += bench_shape(shape, rows, steps, args.rounds)
+    Path(args.out).write_text("\n".join(header + lines) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
