@@ -54,9 +54,10 @@ typedef struct {
     Norm lnf;
     Linear head;
     int avx2;
-    /* Shared activations, (max_rows, width) each; h is per thread (max_threads, max_rows, C):
-     * every thread normalises the whole residual itself instead of waiting at a barrier. */
-    float *x, *qkv, *y, *f, *h, *att;
+    /* Shared activations, (max_rows, width) each; h is per thread (max_threads, max_rows, C), for
+     * steps of few rows, where every thread normalises the whole residual itself instead of
+     * waiting at a barrier; hn holds the normalised rows of larger steps (see normalise). */
+    float *x, *qkv, *y, *f, *h, *hn, *att;
     parallel_fn parallel;
     barrier_fn barrier;
     int_fn thread_num, num_threads;
@@ -307,6 +308,88 @@ static void axpy(const Model *m, float *y, float a, const float *x, int n) {
     axpy_scalar(y, a, x, n);
 }
 
+#ifdef NS_X86
+/* q . k_t for four positions at once (four independent chains); each score is summed in the same
+ * order as score1's, so grouping never changes a value. */
+__attribute__((target("avx2,fma"))) static float score1(const float *q, const float *k, int hs) {
+    __m256 a = _mm256_setzero_ps();
+    for (int i = 0; i < hs; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
+    return hsum256(a);
+}
+
+/* Attention of one query (head_dim a multiple of 8) over n cached positions, into out. */
+__attribute__((target("avx2,fma"))) static void attend_avx2(const float *q, const float *k, const float *v,
+                                                            int64_t n, int hs, float *scores, float *out) {
+    const float scale = 1.0f / sqrtf((float)hs);
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const float *k0 = k + t * hs, *k1 = k0 + hs, *k2 = k1 + hs, *k3 = k2 + hs;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < hs; i += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + i);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+        }
+        scores[t] = hsum256(a0) * scale, scores[t + 1] = hsum256(a1) * scale;
+        scores[t + 2] = hsum256(a2) * scale, scores[t + 3] = hsum256(a3) * scale;
+    }
+    for (; t < n; t++) scores[t] = score1(q, k + t * hs, hs) * scale;
+    float best = -INFINITY;
+    for (t = 0; t < n; t++) best = scores[t] > best ? scores[t] : best;
+    const __m256 vbest = _mm256_set1_ps(best);
+    __m256 vtotal = _mm256_setzero_ps();
+    for (t = 0; t < n; t += 8) {
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - t)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_maskload_ps(scores + t, mask), vbest));
+        const __m256 kept = _mm256_and_ps(e, _mm256_castsi256_ps(mask));
+        _mm256_maskstore_ps(scores + t, mask, kept);
+        vtotal = _mm256_add_ps(vtotal, kept);
+    }
+    const float inv = 1.0f / hsum256(vtotal);
+    /* out = sum_t p_t v_t, four output vectors at a time kept in registers across all positions */
+    int i = 0;
+    for (; i + 32 <= hs; i += 32) {
+        __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+        for (t = 0; t < n; t++) {
+            const __m256 p = _mm256_set1_ps(scores[t] * inv);
+            const float *vt = v + t * hs + i;
+            o0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt), o0);
+            o1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8), o1);
+            o2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 16), o2);
+            o3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 24), o3);
+        }
+        _mm256_storeu_ps(out + i, o0), _mm256_storeu_ps(out + i + 8, o1);
+        _mm256_storeu_ps(out + i + 16, o2), _mm256_storeu_ps(out + i + 24, o3);
+    }
+    for (; i < hs; i += 8) {
+        __m256 o = _mm256_setzero_ps();
+        for (t = 0; t < n; t++) o = _mm256_fmadd_ps(_mm256_set1_ps(scores[t] * inv), _mm256_loadu_ps(v + t * hs + i), o);
+        _mm256_storeu_ps(out + i, o);
+    }
+}
+#endif
+
+/* Attention of one query over n cached positions, any head_dim. */
+static void attend_generic(const Model *m, const float *q, const float *k, const float *v, int64_t n, int hs,
+                           float *scores, float *out) {
+    const float scale = 1.0f / sqrtf((float)hs);
+    float best = -INFINITY;
+    for (int64_t t = 0; t < n; t++) {
+        scores[t] = dot(m, q, k + t * hs, hs) * scale;
+        if (scores[t] > best) best = scores[t];
+    }
+    float total = 0;
+    for (int64_t t = 0; t < n; t++) {
+        scores[t] = expf(scores[t] - best);
+        total += scores[t];
+    }
+    memset(out, 0, hs * sizeof(float));
+    const float inv = 1.0f / total;
+    for (int64_t t = 0; t < n; t++) axpy(m, out, scores[t] * inv, v + t * hs, hs);
+}
+
 /* Write row r's new key and value for head hd at its position, then attend over positions 0..pos
  * (softmax in float32, as torch's kernels do for float32). */
 static void attend(const Model *m, const Layer *L, const Job *job, int r, int hd, float *scores) {
@@ -318,21 +401,14 @@ static void attend(const Model *m, const Layer *L, const Job *job, int r, int hd
     float *k = L->k + base, *v = L->v + base;
     memcpy(k + pos * hs, qkv + c + hd * hs, hs * sizeof(float));
     memcpy(v + pos * hs, qkv + 2 * c + hd * hs, hs * sizeof(float));
-    const float scale = 1.0f / sqrtf((float)hs);
-    float best = -INFINITY;
-    for (int64_t t = 0; t <= pos; t++) {
-        scores[t] = dot(m, q, k + t * hs, hs) * scale;
-        if (scores[t] > best) best = scores[t];
-    }
-    float total = 0;
-    for (int64_t t = 0; t <= pos; t++) {
-        scores[t] = expf(scores[t] - best);
-        total += scores[t];
-    }
     float *out = m->y + (size_t)r * c + hd * hs;
-    memset(out, 0, hs * sizeof(float));
-    const float inv = 1.0f / total;
-    for (int64_t t = 0; t <= pos; t++) axpy(m, out, scores[t] * inv, v + t * hs, hs);
+#ifdef NS_X86
+    if (m->avx2 && hs % 8 == 0) {
+        attend_avx2(q, k, v, pos + 1, hs, scores, out);
+        return;
+    }
+#endif
+    attend_generic(m, q, k, v, pos + 1, hs, scores, out);
 }
 
 /* ---------------------------------------------------------------- the step, per thread */
@@ -341,12 +417,27 @@ static inline void sync(const Job *job) {
     if (!job->serial) job->m->barrier();
 }
 
+/* Every row of the residual stream, normalised. A single row (per thread) is normalised by each
+ * thread into its own buffer, no barrier; more are split between the threads, who then wait for
+ * each other. The same function either way, so the same values. */
+static const float *normalise(const Job *job, Norm n, int tid, int nt, float *own) {
+    const Model *m = job->m;
+    const int rows = job->rows, c = m->n_embd;
+    if (rows < 2 * nt) {
+        for (int r = 0; r < rows; r++) layer_norm(m->x + (size_t)r * c, own + (size_t)r * c, c, n, m->eps);
+        return own;
+    }
+    for (int r = tid; r < rows; r += nt) layer_norm(m->x + (size_t)r * c, m->hn + (size_t)r * c, c, n, m->eps);
+    sync(job);
+    return m->hn;
+}
+
 static void step_thread(void *arg) {
     const Job *job = arg;
     const Model *m = job->m;
     const int tid = job->serial ? 0 : m->thread_num(), nt = job->serial ? 1 : m->num_threads();
     const int rows = job->rows, c = m->n_embd;
-    float *h = m->h + (size_t)tid * m->max_rows * c;
+    float *own = m->h + (size_t)tid * m->max_rows * c;
     float *scores = m->att + (size_t)tid * m->window;
     int lo, hi;
 
@@ -357,7 +448,7 @@ static void step_thread(void *arg) {
     sync(job);
     for (int li = 0; li < m->n_layer; li++) {
         const Layer *L = &m->layers[li];
-        for (int r = 0; r < rows; r++) layer_norm(m->x + (size_t)r * c, h + (size_t)r * c, c, L->ln1, m->eps);
+        const float *h = normalise(job, L->ln1, tid, nt, own);
         share(3 * c, tid, nt, &lo, &hi);
         gemv(m, &L->attn, h, rows, m->qkv, 3 * c, lo, hi, 0);
         sync(job);
@@ -366,7 +457,7 @@ static void step_thread(void *arg) {
         share(c, tid, nt, &lo, &hi);
         gemv(m, &L->proj, m->y, rows, m->x, c, lo, hi, 1);
         sync(job);
-        for (int r = 0; r < rows; r++) layer_norm(m->x + (size_t)r * c, h + (size_t)r * c, c, L->ln2, m->eps);
+        h = normalise(job, L->ln2, tid, nt, own);
         share(4 * c, tid, nt, &lo, &hi);
         gemv(m, &L->fc, h, rows, m->f, 4 * c, lo, hi, 0);
         for (int r = 0; r < rows; r++) gelu(m, m->f + (size_t)r * 4 * c + lo, hi - lo);
@@ -375,12 +466,14 @@ static void step_thread(void *arg) {
         gemv(m, &L->mproj, m->f, rows, m->x, c, lo, hi, 1);
         sync(job);
     }
-    for (int r = 0; r < rows; r++) layer_norm(m->x + (size_t)r * c, h + (size_t)r * c, c, m->lnf, m->eps);
+    const float *h = normalise(job, m->lnf, tid, nt, own);
     share(m->vocab, tid, nt, &lo, &hi);
     gemv(m, &m->head, h, rows, job->logits, m->vocab, lo, hi, 0);
 }
 
 /* ---------------------------------------------------------------- the interface */
+
+void ns_free(void *model);
 
 static Linear linear(const float *const **p, int out, int in) {
     Linear l = {(*p)[0], (*p)[1], out, in};
@@ -424,9 +517,10 @@ void *ns_create(int n_layer, int n_head, int n_embd, int vocab, int slots, int w
     m->y = calloc(r * c, sizeof(float));
     m->f = calloc(r * 4 * c, sizeof(float));
     m->h = calloc((size_t)max_threads * r * c, sizeof(float));
+    m->hn = calloc(r * c, sizeof(float));
     m->att = calloc((size_t)max_threads * window, sizeof(float));
-    if (!m->layers || !m->x || !m->qkv || !m->y || !m->f || !m->h || !m->att) {
-        free(m->layers), free(m->x), free(m->qkv), free(m->y), free(m->f), free(m->h), free(m->att), free(m);
+    if (!m->layers || !m->x || !m->qkv || !m->y || !m->f || !m->h || !m->hn || !m->att) {
+        ns_free(m);
         return NULL;
     }
     for (int i = 0; i < n_layer; i++) {
@@ -459,5 +553,6 @@ void ns_step(void *model, int rows, const int64_t *tok, const int64_t *pos, cons
 void ns_free(void *model) {
     Model *m = model;
     if (!m) return;
-    free(m->layers), free(m->x), free(m->qkv), free(m->y), free(m->f), free(m->h), free(m->att), free(m);
+    free(m->layers), free(m->x), free(m->qkv), free(m->y), free(m->f), free(m->h), free(m->hn), free(m->att);
+    free(m);
 }
