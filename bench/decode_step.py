@@ -1,13 +1,14 @@
-"""The decode forward alone: the native step (service/engine/native/decode.c) vs the torch step.
+"""The forward alone: the native step (service/engine/native/decode.c) vs torch's kernels.
 
-    python bench/decode_step.py [--shapes 10.7M,124M] [--rows 1,4,16,64] [--threads 2]
+    python bench/decode_step.py [--shapes 10.7M,124M] [--rows 1,4,16,64] [--prefill 16,64,256]
 
-For each random-weight model shape and batch size: the same cache, prefilled to position 40 for
-every row, and the same one-token batch, run through the torch decode step (oneDNN packed
-linears, as the engine runs it) and the native step, alternating in one process; each variant
-runs `--steps` forwards per round, `--rounds` rounds, median per round reported, best round kept.
-Also prints the weight bytes each step reads and the GB/s that implies at batch 1. Writes
-bench/results/decode-step.md. Not a test: nothing here asserts a speed.
+Decode: for each random-weight model shape and batch size, the same cache, prefilled to position 40
+for every row, and the same one-token batch, through the torch decode step (oneDNN packed linears,
+as the engine runs it) and the native step. Prefill: one prompt of that many tokens from position
+0, through `GPT.forward` (packed linears, last position's logits) and the native step (last row's
+logits). Variants alternate in one process; each runs `--steps` forwards per round, `--rounds`
+rounds, median per round, best round kept. Also prints the GB/s of weights a batch-1 step implies.
+Writes bench/results/decode-step.md. Not a test: nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -43,14 +44,23 @@ def _time(fn, steps: int) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(samples)
 
 
+def _best(fns: dict[str, object], steps: int, rounds: int) -> dict[str, float]:
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            best[name] = min(best[name], _time(fn, steps))
+    return best
+
+
 @torch.inference_mode()
-def bench_shape(shape: str, rows_list: list[int], steps: int, rounds: int) -> list[str]:
+def bench_shape(shape: str, rows_list: list[int], prefills: list[int], steps: int, rounds: int) -> list[str]:
     cfg = GPTConfig(**SHAPES[shape])
     torch.manual_seed(0)
     model = GPT(cfg).eval()
     slots = max(rows_list)
     cache = SpanKVCache(cfg.n_layer, slots, cfg.n_head, cfg.block_size, cfg.head_dim, torch.float32, "cpu")
-    native = NativeDecodeStep(model, capture_weights(model), cache, max_threads=torch.get_num_threads())
+    native = NativeDecodeStep(model, capture_weights(model), cache, max_threads=torch.get_num_threads(),
+                              max_rows=max([*prefills, 1]))
     pack_linears(model, batch_hint=slots)
     reference = DecodeStep(model, cache)
     for slot in range(slots):  # every row at POSITION, its own prompt
@@ -72,13 +82,27 @@ def bench_shape(shape: str, rows_list: list[int], steps: int, rounds: int) -> li
         def run_native() -> None:
             native(tok_list, pos_list, slot_list)  # noqa: B023
 
-        best_t, best_n = float("inf"), float("inf")
-        for _ in range(rounds):
-            best_t = min(best_t, _time(run_torch, steps))
-            best_n = min(best_n, _time(run_native, steps))
+        best = _best({"torch": run_torch, "native": run_native}, steps, rounds)
+        best_t, best_n = best["torch"], best["native"]
         gbps = f"{weight_bytes / best_n / 1e9:.1f}" if rows == 1 else "-"
-        lines.append(f"| {shape} | {rows} | {best_t * 1e3:.2f} | {best_n * 1e3:.2f} | "
+        lines.append(f"| {shape} | decode, {rows} rows | {best_t * 1e3:.2f} | {best_n * 1e3:.2f} | "
                      f"{best_t / best_n:.2f} | {rows / best_n:.0f} | {gbps} |")
+        print(lines[-1], flush=True)
+    for n in prefills:
+        prompt = torch.randint(0, cfg.vocab_size, (1, n))
+        pos_t, prompt_list, slot_n = torch.arange(n).view(1, -1), prompt[0].tolist(), [0] * n
+
+        def prefill_torch() -> None:
+            cache.prepare([0], [n])  # noqa: B023
+            model(prompt, input_pos=pos_t, cache=cache, slots=torch.tensor([0]), last_only=True)  # noqa: B023
+
+        def prefill_native() -> None:
+            native(prompt_list, list(range(n)), slot_n, [n - 1])  # noqa: B023
+
+        best = _best({"torch": prefill_torch, "native": prefill_native}, max(3, steps // 4), rounds)
+        best_t, best_n = best["torch"], best["native"]
+        lines.append(f"| {shape} | prefill, {n} tokens | {best_t * 1e3:.2f} | {best_n * 1e3:.2f} | "
+                     f"{best_t / best_n:.2f} | {n / best_n:.0f} | - |")
         print(lines[-1], flush=True)
     return lines
 
@@ -87,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="10.7M,124M")
     ap.add_argument("--rows", default="1,4,16,64")
+    ap.add_argument("--prefill", default="16,64,256,1024", help="prompt lengths (tokens) to prefill")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
@@ -99,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}. Every row at position {POSITION}; "
         f"median of {args.steps} forwards per round, best of {args.rounds} alternating rounds.",
         "",
-        "| model | rows | torch step ms | native step ms | torch / native | native tok/s "
+        "| model | forward | torch ms | native ms | torch / native | native tok/s "
         "| native GB/s (batch 1) |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -108,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     for shape in args.shapes.split(","):
         steps = args.steps if shape == "10.7M" else max(5, args.steps // 4)
-        lines += bench_shape(shape, rows, steps, args.rounds)
+        window = SHAPES[shape]["block_size"]
+        prefills = [int(n) for n in args.prefill.split(",") if n and int(n) <= window]
+        lines += bench_shape(shape, rows, prefills, steps, args.rounds)
     Path(args.out).write_text("\n".join(header + lines) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -69,16 +69,17 @@ class Engine:
         self.model = checkpoint.build_model(self.device, config.torch_dtype)
         self.num_params = self.model.num_params(non_embedding=False)
         self.native_decode_off = self._native_decode_off(config)
-        # Before packing: the native step reads the weights in nn.Linear's plain layout.
         native_weights = capture_weights(self.model) if self.native_decode_off is None else None
         self.packed_linears = 0
         packable = packed_linear_supported(self.model.wte.weight.device, config.torch_dtype)
-        if config.packed_linear and packable and not config.compile:
+        # oneDNN packing only where torch runs the forwards: the native step runs them all.
+        if config.packed_linear and packable and not config.compile and native_weights is None:
             self.packed_linears = pack_linears(self.model, batch_hint=config.max_seqs)
         self.runner = ModelRunner(
             self.model, config.max_seqs, self.window,
             usable_vocab=self.tokenizer.vocab_size, deterministic=config.deterministic,
             cpu_threads=config.cpu_threads or default_cpu_threads(), native_weights=native_weights,
+            native_max_rows=max(config.max_seqs, config.prefill_budget, config.idle_prefill_budget),
         )
         if config.compile:
             # Shapes vary with batch size, chunk length and attention span: compile dynamically.

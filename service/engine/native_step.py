@@ -110,7 +110,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.ns_create.restype = ctypes.c_void_p
     lib.ns_create.argtypes = [*[ctypes.c_int] * 8, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
     lib.ns_step.restype = None
-    lib.ns_step.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 4, ctypes.c_int]
+    ptr, num = ctypes.c_void_p, ctypes.c_int
+    lib.ns_step.argtypes = [ptr, num, ptr, ptr, ptr, num, ptr, ptr, num]
     lib.ns_free.restype = None
     lib.ns_free.argtypes = [ctypes.c_void_p]
     return lib
@@ -124,7 +125,7 @@ class NativeDecodeStep:
 
     def __init__(
         self, model: GPT, weights: list[torch.Tensor | None], cache: SpanKVCache, max_threads: int,
-        use_openmp: bool = True,
+        use_openmp: bool = True, max_rows: int = 0,
     ) -> None:
         path = library_path()
         if path is None:
@@ -133,6 +134,7 @@ class NativeDecodeStep:
         cfg = model.config
         self.vocab, self.window, self.slots = cfg.vocab_size, cache.capacity, cache.slots
         self.max_threads = max_threads
+        self.max_rows = max(max_rows, cache.slots)
         caches: list = list(cache.layers)
         tensors: list[torch.Tensor | None] = weights[:2]
         for i, layer in enumerate(caches):
@@ -150,31 +152,36 @@ class NativeDecodeStep:
             log.warning("native decode step: no libgomp entry points in this process, one thread only")
         self._omp = (ctypes.c_void_p * len(omp))(*omp) if omp else None
         self._handle = self._lib.ns_create(
-            cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cache.slots, cache.capacity, cache.slots,
+            cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cache.slots, cache.capacity, self.max_rows,
             max_threads, cfg.layer_norm_epsilon, ptrs, self._omp,
         )
         if not self._handle:
             raise MemoryError("the native decode step could not allocate its buffers")
 
-    def __call__(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
-        """One token per row: row i feeds tokens[i] at positions[i] into cache slot slots[i]
-        (writing its key and value there) and attends over that slot's positions 0..positions[i]."""
+    def __call__(
+        self, tokens: list[int], positions: list[int], slots: list[int], logit_rows: list[int] | None = None
+    ) -> torch.Tensor:
+        """Row i feeds tokens[i] at positions[i] into cache slot slots[i] (writing its key and
+        value there) and attends over that slot's positions 0..positions[i]: decode rows, or the
+        tokens of prompt chunks (a sequence's rows in position order, all in one call). Returns
+        the logits (len(logit_rows), V) of rows `logit_rows` (default: every row)."""
         rows = len(tokens)
-        if not 0 < rows <= self.slots or len(positions) != rows or len(slots) != rows:
+        if not 0 < rows <= self.max_rows or len(positions) != rows or len(slots) != rows:
             raise ValueError(
-                f"the native step takes 1..{self.slots} rows of one token, position and slot each"
+                f"the native step takes 1..{self.max_rows} rows of one token, position and slot each"
             )
-        # The library indexes raw memory with these: check every one (a few rows, cheap).
+        out = list(range(rows)) if logit_rows is None else logit_rows
+        # The library indexes raw memory with these: check every one.
         for name, values, bound in (("token", tokens, self.vocab), ("position", positions, self.window),
-                                    ("slot", slots, self.slots)):
+                                    ("slot", slots, self.slots), ("logit row", out, rows)):
             bad = [v for v in values if not 0 <= v < bound]
             if bad:
                 raise ValueError(f"native decode step: {name} {bad[0]} is outside [0, {bound})")
         row_array = ctypes.c_int64 * rows
-        logits = torch.empty(rows, self.vocab, dtype=torch.float32)
+        logits = torch.empty(len(out), self.vocab, dtype=torch.float32)
         threads = max(1, min(torch.get_num_threads(), self.max_threads))
         self._lib.ns_step(self._handle, rows, row_array(*tokens), row_array(*positions), row_array(*slots),
-                          logits.data_ptr(), threads)
+                          len(out), (ctypes.c_int64 * len(out))(*out), logits.data_ptr(), threads)
         return logits
 
     def __del__(self) -> None:

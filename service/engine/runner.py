@@ -52,6 +52,7 @@ class ModelRunner:
     def __init__(
         self, model: GPT, slots: int, window: int, usable_vocab: int, deterministic: bool = False,
         cpu_threads: int = 1, native_weights: list[torch.Tensor | None] | None = None,
+        native_max_rows: int = 0,
     ) -> None:
         self.model = model
         self.device = model.wte.weight.device
@@ -62,12 +63,15 @@ class ModelRunner:
         # Decode steps (one token per row) skip the general forward (decode_step.py); None
         # when the model is compiled, so the compiled graph runs every step.
         self.decode_step: DecodeStep | None = DecodeStep(model, self.cache)
-        # ... and on CPU in float32, as one native call (native_step.py; weights captured before
-        # the linears were packed). Rows are computed independently there, so batched and alone
-        # give the same bits and deterministic mode may use it too.
+        # On CPU in float32 every forward of up to native_max_rows tokens (decode rows and prompt
+        # chunks alike; the engine sizes it to its largest step) is one native call instead
+        # (native_step.py). Rows are computed independently there, so batched and alone give the
+        # same bits and deterministic mode may batch them too.
         self.native_step: NativeDecodeStep | None = None
         if native_weights is not None:
-            self.native_step = NativeDecodeStep(model, native_weights, self.cache, max_threads=cpu_threads)
+            self.native_step = NativeDecodeStep(
+                model, native_weights, self.cache, max_threads=cpu_threads, max_rows=native_max_rows
+            )
         self.vocab = model.config.vocab_size
         # nanoGPT pads the vocabulary (50257 -> 50304) for speed: ids the tokenizer cannot
         # decode must never be sampled.
@@ -88,14 +92,22 @@ class ModelRunner:
         complete their context) and an error text per failed item index."""
         groups: dict[int, list[int]] = {}
         for i, item in enumerate(items):
-            key = i if self.deterministic else -len(item.tokens)  # deterministic: rows alone
+            # Deterministic mode runs rows alone, except on the native step: that computes each
+            # row the same way whatever the batch, so they may share a forward.
+            native = self.native_step is not None and len(item.tokens) <= self.native_step.max_rows
+            key = i if self.deterministic and not native else -len(item.tokens)
             groups.setdefault(key, []).append(i)
         logits: dict[int, torch.Tensor] = {}
         errors: dict[int, str] = {}
         for idx in groups.values():
             # Rows in slot order: consecutive slots let the cache hand out a view, not a copy.
             idx.sort(key=lambda i: items[i].req.slot)
-            self._run_isolated(items, idx, logits, errors)
+            t = len(items[idx[0]].tokens)
+            # Groups the native step takes go to it in pieces of at most max_rows tokens.
+            per = self.native_step.max_rows // t if self.native_step is not None else 0
+            per = per if per > 0 else len(idx)
+            for k in range(0, len(idx), per):
+                self._run_isolated(items, idx[k : k + per], logits, errors)
         return logits, errors
 
     def _run_isolated(
@@ -124,8 +136,12 @@ class ModelRunner:
         t = len(items[0].tokens)
         slot_list = [item.req.slot for item in items]
         self.threads.begin(len(items) * t)
-        if t == 1 and self.native_step is not None:
-            logits = self.native_step([it.tokens[0] for it in items], [it.start for it in items], slot_list)
+        if self.native_step is not None and len(items) * t <= self.native_step.max_rows:
+            # Every token is a row; a prompt chunk's rows see each other's keys (native_step.py).
+            tokens = [tok for it in items for tok in it.tokens]
+            positions = [p for it in items for p in range(it.start, it.start + t)]
+            rows = [it.req.slot for it in items for _ in range(t)]
+            logits = self.native_step(tokens, positions, rows, [j * t + t - 1 for j in range(len(items))])
         else:
             idx = torch.tensor([item.tokens for item in items], dtype=torch.long, device=self.device)
             start = torch.tensor([item.start for item in items], dtype=torch.long, device=self.device)

@@ -1,8 +1,9 @@
-/* One decode step of a GPT-2 decoder for a few rows, float32 on CPU, in one call.
+/* One forward step of a GPT-2 decoder over token rows, float32 on CPU, in one call: decode steps
+ * and small prompt chunks (service/engine/native_step.py decides which).
  *
  * Why this exists (measured on the 2-core AVX2 EPYC, see docs/engine.md): at batch 1 a decode step
  * streams every weight once, so it is bound by memory bandwidth, yet through torch it ran at 5-7
- * GB/s against ~15 GB/s a plain two-thread read reaches: ~25 library calls per step, each its own
+ * GB/s against 25-30 GB/s a plain two-thread read reaches: ~25 library calls per step, each its own
  * parallel region, each handing its weight to the threads in its own way, plus the ops between
  * them. Here the whole step is one OpenMP parallel region, each thread streams its own contiguous
  * slice of every weight, and the threads meet at a barrier only where the next phase reads what
@@ -14,7 +15,7 @@
  * never starts a second one: two pools on two cores made every region pay futex wake-ups.
  *
  * Nothing here links a Python or torch header: the caller passes raw pointers to tensors it keeps
- * alive (weights in nn.Linear's (out, in) layout, the KV cache's (slots, heads, window, head_dim)
+ * alive (linear weights packed in panels, see gemv; the KV cache's (slots, heads, window, head_dim)
  * buffers), and the library is loaded with ctypes, which releases the GIL for the call.
  */
 #include <math.h>
@@ -54,8 +55,8 @@ typedef struct {
     Norm lnf;
     Linear head;
     int avx2;
-    /* Shared activations, (max_rows, width) each; h is per thread (max_threads, max_rows, C), for
-     * steps of few rows, where every thread normalises the whole residual itself instead of
+    /* Shared activations, (max_rows, width) each; h is per thread (max_threads, 2 max_threads, C),
+     * for steps of few rows, where every thread normalises the whole residual itself instead of
      * waiting at a barrier; hn holds the normalised rows of larger steps (see normalise). */
     float *x, *qkv, *y, *f, *h, *hn, *att;
     parallel_fn parallel;
@@ -67,7 +68,9 @@ typedef struct {
     Model *m;
     int rows, serial; /* serial: no OpenMP entry points, the caller's thread does it all */
     const int64_t *tok, *pos, *slot;
-    float *logits; /* (rows, vocab) */
+    const int64_t *out; /* the rows whose logits are wanted, n_out of them */
+    int n_out;
+    float *logits; /* (n_out, vocab) */
 } Job;
 
 /* ---------------------------------------------------------------- small row kernels */
@@ -390,17 +393,24 @@ static void attend_generic(const Model *m, const float *q, const float *k, const
     for (int64_t t = 0; t < n; t++) axpy(m, out, scores[t] * inv, v + t * hs, hs);
 }
 
-/* Write row r's new key and value for head hd at its position, then attend over positions 0..pos
- * (softmax in float32, as torch's kernels do for float32). */
+/* Row r's new key and value for head hd, into its slot at its position. */
+static void store_kv(const Model *m, const Layer *L, const Job *job, int r, int hd) {
+    const int c = m->n_embd, hs = m->head_dim;
+    const size_t at = ((((size_t)job->slot[r] * m->n_head + hd) * m->window) + (size_t)job->pos[r]) * hs;
+    const float *qkv = m->qkv + (size_t)r * 3 * c;
+    memcpy(L->k + at, qkv + c + hd * hs, hs * sizeof(float));
+    memcpy(L->v + at, qkv + 2 * c + hd * hs, hs * sizeof(float));
+}
+
+/* Row r's query for head hd over its slot's positions 0..pos (softmax in float32, as torch's
+ * kernels do for float32). Every row's key and value are stored before any row attends, so rows
+ * of one sequence (a prompt chunk) see each other's. */
 static void attend(const Model *m, const Layer *L, const Job *job, int r, int hd, float *scores) {
     const int c = m->n_embd, hs = m->head_dim;
     const int64_t pos = job->pos[r];
     const size_t base = (((size_t)job->slot[r] * m->n_head + hd) * m->window) * hs;
-    const float *qkv = m->qkv + (size_t)r * 3 * c;
-    const float *q = qkv + hd * hs;
-    float *k = L->k + base, *v = L->v + base;
-    memcpy(k + pos * hs, qkv + c + hd * hs, hs * sizeof(float));
-    memcpy(v + pos * hs, qkv + 2 * c + hd * hs, hs * sizeof(float));
+    const float *q = m->qkv + (size_t)r * 3 * c + hd * hs;
+    const float *k = L->k + base, *v = L->v + base;
     float *out = m->y + (size_t)r * c + hd * hs;
 #ifdef NS_X86
     if (m->avx2 && hs % 8 == 0) {
@@ -417,19 +427,24 @@ static inline void sync(const Job *job) {
     if (!job->serial) job->m->barrier();
 }
 
-/* Every row of the residual stream, normalised. A single row (per thread) is normalised by each
- * thread into its own buffer, no barrier; more are split between the threads, who then wait for
- * each other. The same function either way, so the same values. */
-static const float *normalise(const Job *job, Norm n, int tid, int nt, float *own) {
+/* Rows of the residual stream, normalised: all of them (sel NULL) or rows sel[0..n), compacted.
+ * Fewer than two rows per thread are normalised by every thread into its own buffer, no barrier;
+ * more are split between the threads, who then wait for each other. The same function either
+ * way, so the same values. */
+static const float *normalise(const Job *job, Norm nm, const int64_t *sel, int n, int tid, int nt, float *own) {
     const Model *m = job->m;
-    const int rows = job->rows, c = m->n_embd;
-    if (rows < 2 * nt) {
-        for (int r = 0; r < rows; r++) layer_norm(m->x + (size_t)r * c, own + (size_t)r * c, c, n, m->eps);
-        return own;
+    const int c = m->n_embd;
+    float *dst = own;
+    int r0 = 0, step = 1;
+    if (n >= 2 * nt) {
+        dst = m->hn, r0 = tid, step = nt;
     }
-    for (int r = tid; r < rows; r += nt) layer_norm(m->x + (size_t)r * c, m->hn + (size_t)r * c, c, n, m->eps);
-    sync(job);
-    return m->hn;
+    for (int r = r0; r < n; r += step) {
+        const size_t src = sel ? (size_t)sel[r] : (size_t)r;
+        layer_norm(m->x + src * c, dst + (size_t)r * c, c, nm, m->eps);
+    }
+    if (dst == m->hn) sync(job);
+    return dst;
 }
 
 static void step_thread(void *arg) {
@@ -437,7 +452,7 @@ static void step_thread(void *arg) {
     const Model *m = job->m;
     const int tid = job->serial ? 0 : m->thread_num(), nt = job->serial ? 1 : m->num_threads();
     const int rows = job->rows, c = m->n_embd;
-    float *own = m->h + (size_t)tid * m->max_rows * c;
+    float *own = m->h + (size_t)tid * 2 * m->max_threads * c;
     float *scores = m->att + (size_t)tid * m->window;
     int lo, hi;
 
@@ -448,16 +463,18 @@ static void step_thread(void *arg) {
     sync(job);
     for (int li = 0; li < m->n_layer; li++) {
         const Layer *L = &m->layers[li];
-        const float *h = normalise(job, L->ln1, tid, nt, own);
+        const float *h = normalise(job, L->ln1, NULL, rows, tid, nt, own);
         share(3 * c, tid, nt, &lo, &hi);
         gemv(m, &L->attn, h, rows, m->qkv, 3 * c, lo, hi, 0);
+        sync(job);
+        for (int p = tid; p < rows * m->n_head; p += nt) store_kv(m, L, job, p / m->n_head, p % m->n_head);
         sync(job);
         for (int p = tid; p < rows * m->n_head; p += nt) attend(m, L, job, p / m->n_head, p % m->n_head, scores);
         sync(job);
         share(c, tid, nt, &lo, &hi);
         gemv(m, &L->proj, m->y, rows, m->x, c, lo, hi, 1);
         sync(job);
-        h = normalise(job, L->ln2, tid, nt, own);
+        h = normalise(job, L->ln2, NULL, rows, tid, nt, own);
         share(4 * c, tid, nt, &lo, &hi);
         gemv(m, &L->fc, h, rows, m->f, 4 * c, lo, hi, 0);
         for (int r = 0; r < rows; r++) gelu(m, m->f + (size_t)r * 4 * c + lo, hi - lo);
@@ -466,9 +483,9 @@ static void step_thread(void *arg) {
         gemv(m, &L->mproj, m->f, rows, m->x, c, lo, hi, 1);
         sync(job);
     }
-    const float *h = normalise(job, m->lnf, tid, nt, own);
+    const float *h = normalise(job, m->lnf, job->out, job->n_out, tid, nt, own);
     share(m->vocab, tid, nt, &lo, &hi);
-    gemv(m, &m->head, h, rows, job->logits, m->vocab, lo, hi, 0);
+    gemv(m, &m->head, h, job->n_out, job->logits, m->vocab, lo, hi, 0);
 }
 
 /* ---------------------------------------------------------------- the interface */
@@ -516,7 +533,7 @@ void *ns_create(int n_layer, int n_head, int n_embd, int vocab, int slots, int w
     m->qkv = calloc(r * 3 * c, sizeof(float));
     m->y = calloc(r * c, sizeof(float));
     m->f = calloc(r * 4 * c, sizeof(float));
-    m->h = calloc((size_t)max_threads * r * c, sizeof(float));
+    m->h = calloc((size_t)max_threads * 2 * max_threads * c, sizeof(float));
     m->hn = calloc(r * c, sizeof(float));
     m->att = calloc((size_t)max_threads * window, sizeof(float));
     if (!m->layers || !m->x || !m->qkv || !m->y || !m->f || !m->h || !m->hn || !m->att) {
@@ -539,11 +556,13 @@ void *ns_create(int n_layer, int n_head, int n_embd, int vocab, int slots, int w
     return m;
 }
 
-/* One decode step for `rows` rows (<= max_rows) on `threads` threads (<= max_threads). */
-void ns_step(void *model, int rows, const int64_t *tok, const int64_t *pos, const int64_t *slot, float *logits,
-             int threads) {
+/* One forward over `rows` token rows (<= max_rows): row i feeds tok[i] at pos[i] into cache slot
+ * slot[i] (decode rows, or the tokens of prompt chunks, a sequence's in position order); the
+ * logits of rows out[0..n_out) go to `logits`. On `threads` threads (<= max_threads). */
+void ns_step(void *model, int rows, const int64_t *tok, const int64_t *pos, const int64_t *slot, int n_out,
+             const int64_t *out, float *logits, int threads) {
     Model *m = model;
-    Job job = {m, rows, !m->parallel || threads <= 1, tok, pos, slot, logits};
+    Job job = {m, rows, !m->parallel || threads <= 1, tok, pos, slot, out, n_out, logits};
     if (job.serial)
         step_thread(&job);
     else

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -84,6 +86,38 @@ def test_native_step_matches_the_torch_decode_step(shape: str, rows: int, openmp
         torch.testing.assert_close(ours.v, theirs.v, rtol=2e-5, atol=2e-5)  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@torch.no_grad()
+def test_prompt_chunks_and_decode_rows_in_one_call_match_the_model(shape: str) -> None:
+    """A decode row, a first prompt chunk and a later chunk, in one call: every row's logits are
+    the model's for that position (a chunk's rows attend to each other's keys)."""
+    model = _model(SHAPES[shape])
+    lengths = {2: 10, 5: 12}
+    torch_cache, native_cache = _prefilled(model, 8, lengths), _prefilled(model, 8, lengths)
+    native = NativeDecodeStep(model, capture_weights(model), native_cache, max_threads=2, max_rows=32)
+    gen = torch.Generator().manual_seed(3)
+    work = [(2, 10, 1), (0, 0, 7), (5, 12, 5)]  # (slot, first position, tokens)
+    tokens, positions, slots, want = [], [], [], []
+    for slot, start, n in work:
+        toks = torch.randint(0, model.config.vocab_size, (n,), generator=gen)
+        torch_cache.prepare([slot], [start + n])
+        pos = torch.arange(start, start + n)
+        row_slot = torch.tensor([slot])
+        out = model(toks.view(1, -1), input_pos=pos.view(1, -1), cache=torch_cache, slots=row_slot)
+        want.append(out[0])
+        tokens += toks.tolist()
+        positions += pos.tolist()
+        slots += [slot] * n
+    torch.set_num_threads(2)
+    try:
+        every = native(tokens, positions, slots)
+        last = native(tokens, positions, slots, logit_rows=[0, 7, 12])  # writes the same keys again
+    finally:
+        torch.set_num_threads(1)
+    torch.testing.assert_close(every, torch.cat(want), rtol=2e-5, atol=2e-5)
+    assert torch.equal(last, every[[0, 7, 12]])
+
+
 @torch.no_grad()
 def test_a_row_gets_the_same_bits_alone_batched_and_on_any_thread_count() -> None:
     model = _model(SHAPES["ragged"])
@@ -135,3 +169,22 @@ async def test_the_engine_decodes_natively_with_the_torch_paths_tokens(
         want = token_ids(await collect(plain, prompt, max_new_tokens=40, temperature=0.0))
         got = token_ids(await collect(native, prompt, max_new_tokens=40, temperature=0.0))
         assert got == want
+
+
+async def test_deterministic_mode_batches_native_decode_rows_and_keeps_prefill_alone(
+    make_engine: EngineFactory,
+) -> None:
+    engine = make_engine(max_seqs=4, deterministic=True)
+    assert engine.runner.native_step is not None
+    groups: list[tuple[int, int]] = []  # (rows, tokens per row) of every forward
+    run_group = engine.runner._run_group
+
+    def spy(items):  # type: ignore[no-untyped-def]
+        groups.append((len(items), len(items[0].tokens)))
+        return run_group(items)
+
+    engine.runner._run_group = spy  # type: ignore[method-assign]
+    prompts = ("one prompt", "another one", "a third")
+    await asyncio.gather(*(collect(engine, p, max_new_tokens=12, temperature=0.0) for p in prompts))
+    assert any(rows > 1 and tokens == 1 for rows, tokens in groups), groups
+    assert all(rows == 1 for rows, tokens in groups if tokens > 1), groups
