@@ -171,9 +171,9 @@ async def test_the_engine_decodes_natively_with_the_torch_paths_tokens(
         assert got == want
 
 
-async def test_deterministic_mode_batches_native_decode_rows_and_keeps_prefill_alone(
-    make_engine: EngineFactory,
-) -> None:
+async def test_deterministic_mode_batches_rows_on_the_native_step(make_engine: EngineFactory) -> None:
+    """The native step computes every row alone anyway, so deterministic mode lets rows share its
+    forwards: decode rows, and equal-length prompt chunks."""
     engine = make_engine(max_seqs=4, deterministic=True)
     assert engine.runner.native_step is not None
     groups: list[tuple[int, int]] = []  # (rows, tokens per row) of every forward
@@ -184,7 +184,7 @@ async def test_deterministic_mode_batches_native_decode_rows_and_keeps_prefill_a
         return run_group(items)
 
     engine.runner._run_group = spy  # type: ignore[method-assign]
-    prompts = ("one prompt", "another one", "a third")
+    prompts = ("first one", "other one", "third one")  # the same length: one prefill forward
     await asyncio.gather(*(collect(engine, p, max_new_tokens=12, temperature=0.0) for p in prompts))
     assert any(rows > 1 and tokens == 1 for rows, tokens in groups), groups
-    assert all(rows == 1 for rows, tokens in groups if tokens > 1), groups
+    assert any(rows > 1 and tokens > 1 for rows, tokens in groups), groups
