@@ -53,7 +53,7 @@ RUN pip install --no-cache-dir -r /tmp/requirements.txt
 # ------------------------------------------------ app: the project's own code, outside the venv
 # Installed into its own folder, so a code change rebuilds one small layer of the runtime image.
 FROM deps AS app
-# A C compiler for the native decode step (service/engine/native/decode.c, built by the install
+# A C compiler for the native step (service/engine/native/decode.c, built by the install
 # below): in this stage only, so the runtime image gets the built library but not the compiler.
 # hadolint ignore=DL3008  # Debian's current gcc of the release the base was built from; nothing else to pin against
 RUN apt-get update -qq \

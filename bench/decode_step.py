@@ -28,7 +28,7 @@ from model.config import GPTConfig
 from model.gpt import GPT
 from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
-from service.engine.native_step import NativeDecodeStep, capture_weights
+from service.engine.native_step import NativeStep, capture_weights
 from service.engine.packed_linear import pack_linears
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -59,16 +59,18 @@ def bench_shape(shape: str, rows_list: list[int], prefills: list[int], steps: in
     model = GPT(cfg).eval()
     slots = max(rows_list)
     cache = SpanKVCache(cfg.n_layer, slots, cfg.n_head, cfg.block_size, cfg.head_dim, torch.float32, "cpu")
-    native = NativeDecodeStep(model, capture_weights(model), cache, max_threads=torch.get_num_threads(),
-                              max_rows=max([*prefills, 1]))
+    # Weight bytes a batch-1 step reads: every layer's parameters and the output projection
+    # (counted before packing: packed weights are buffers, not parameters).
+    layer_bytes = sum(p.numel() for n, p in model.named_parameters() if ".h." in f".{n}") * 4
+    weight_bytes = layer_bytes + cfg.vocab_size * cfg.n_embd * 4
+    native = NativeStep(model, capture_weights(model), cache, max_threads=torch.get_num_threads(),
+                        max_rows=max([*prefills, 1]))
     pack_linears(model, batch_hint=slots)
     reference = DecodeStep(model, cache)
     for slot in range(slots):  # every row at POSITION, its own prompt
         cache.prepare([slot], [POSITION])
         prompt = torch.randint(0, cfg.vocab_size, (1, POSITION))
         model(prompt, input_pos=torch.arange(POSITION).view(1, -1), cache=cache, slots=torch.tensor([slot]))
-    layer_bytes = sum(p.numel() for n, p in model.named_parameters() if ".h." in f".{n}") * 4
-    weight_bytes = layer_bytes + cfg.vocab_size * cfg.n_embd * 4  # + the output projection
     lines = []
     for rows in rows_list:
         tokens = torch.randint(0, cfg.vocab_size, (rows,))

@@ -7,8 +7,8 @@ from typing import Any
 
 LEVERS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     # (name, EngineConfig overrides, SamplingParams overrides)
-    ("no native decode step", {"native_decode": False}, {}),
-    ("no oneDNN packing", {"packed_linear": False}, {}),
+    ("no native step (oneDNN packed linears)", {"native_step": False}, {}),
+    ("no native step, no oneDNN packing", {"native_step": False, "packed_linear": False}, {}),
     ("deterministic=True", {"deterministic": True}, {}),
     ("sample top_k=40 top_p=0.95", {}, {"temperature": 1.0, "top_k": 40, "top_p": 0.95}),
     ("sample top_p=0.95 (full sort)", {}, {"temperature": 1.0, "top_p": 0.95}),

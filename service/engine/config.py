@@ -32,11 +32,12 @@ class EngineConfig:
     # may run on). Other threads stay single-threaded (see threads.py).
     cpu_threads: int | None = None
     compile: bool = False  # torch.compile the decode step (warm-up compiles it)
-    # CPU: run linear layers through oneDNN with weights reordered once (see packed_linear.py).
+    # CPU: run linear layers through oneDNN with weights reordered once (see packed_linear.py),
+    # where torch runs the forwards (the native step off or unavailable).
     packed_linear: bool = True
-    # CPU float32: decode steps as one native call (see native_step.py); off, or where it cannot
-    # run, decode steps go through torch's kernels.
-    native_decode: bool = True
+    # CPU float32: every forward (decode rows and prompt chunks) as one native call (see
+    # native_step.py); off, or where it cannot run, forwards go through torch's kernels.
+    native_step: bool = True
     # TEST-ONLY hook for exercising fault isolation in a running server. "nan:<marker>": rows
     # whose prompt text contains <marker> get NaN logits; "raise:<marker>": the forward pass
     # raises whenever such a row is in the batch. Never set it in production.

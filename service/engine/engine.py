@@ -68,8 +68,8 @@ class Engine:
                 )
         self.model = checkpoint.build_model(self.device, config.torch_dtype)
         self.num_params = self.model.num_params(non_embedding=False)
-        self.native_decode_off = self._native_decode_off(config)
-        native_weights = capture_weights(self.model) if self.native_decode_off is None else None
+        self.native_step_off = self._native_step_off(config)
+        native_weights = capture_weights(self.model) if self.native_step_off is None else None
         self.packed_linears = 0
         packable = packed_linear_supported(self.model.wte.weight.device, config.torch_dtype)
         # oneDNN packing only where torch runs the forwards: the native step runs them all.
@@ -104,14 +104,14 @@ class Engine:
             self.runner.cache.nbytes / 2**20,
         )
 
-    def _native_decode_off(self, config: EngineConfig) -> str | None:
+    def _native_step_off(self, config: EngineConfig) -> str | None:
         """Why decode steps will not use the native step (None: they will); logged once."""
         reason = native_unavailable(torch.device(self.device), config.torch_dtype)
-        if not config.native_decode:
-            reason = "native_decode is off"
+        if not config.native_step:
+            reason = "native_step is off"
         elif config.compile:
             reason = "the model is compiled (the compiled graph runs every step)"
-        log.info("engine: native decode step %s", f"off ({reason})" if reason else "on")
+        log.info("engine: native step %s", f"off ({reason})" if reason else "on")
         return reason
 
     @classmethod
@@ -264,7 +264,7 @@ class Engine:
             # Forward size (tokens, rounded up to a power of two) -> threads the tuner chose.
             "cpu_threads_by_forward_size": {str(k): v for k, v in self.runner.threads.choices().items()},
             "packed_linear": self.packed_linears > 0,
-            "native_decode": self.native_decode_off is None,
+            "native_step": self.native_step_off is None,
             "kv_cache_bytes": self.runner.cache.nbytes,
             "provenance": self.checkpoint.provenance,
         }

@@ -1,18 +1,19 @@
-"""The decode step as one native call (native/decode.c), on CPU in float32.
+"""Forwards as one native call (native/decode.c), on CPU in float32.
 
 At batch 1 a decode step streams every weight once and is bound by memory bandwidth; through
 torch's kernels it reached 5-7 GB/s of the 25-30 GB/s this machine streams with two threads
 (measured, docs/engine.md), because each of the step's ~25 library calls is its own parallel
 region with its own way of splitting the weight, and the Python between them is serial. The native
 step runs the whole forward in one OpenMP region on the engine thread's own team (libgomp's entry
-points, taken from the libgomp torch loaded), so it starts no second thread pool, and its
-matrix-vector products block four weight rows against three batch rows, so larger batches reuse
-each loaded weight (it stays ahead of the oneDNN path up to the 64 rows measured).
+points, taken from the libgomp torch loaded), so it starts no second thread pool. Its rows are
+tokens: decode rows and the tokens of prompt chunks alike, so one call runs a whole step's group.
+Weights are repacked once into panels of 16 output features, so every loaded weight vector serves
+up to six rows (it beat the oneDNN path at every batch and prompt size measured, 1 to 1024 rows).
 
-It computes what `DecodeStep` computes (the parity tests compare them) with a different
-summation order, so logits agree to float32 rounding, not bit for bit. Each row is computed on
-its own (no reduction runs across rows, and the threads split output features, never a sum), so
-a row's logits do not depend on the batch around it or on the thread count.
+It computes what `DecodeStep` and `GPT.forward` compute (the parity tests compare them) with a
+different summation order, so logits agree to float32 rounding, not bit for bit. Each row is
+computed on its own (no reduction runs across rows, and the threads split output features, never
+a sum), so a row's logits do not depend on the batch around it or on the thread count.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def _load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-class NativeDecodeStep:
+class NativeStep:
     """(tokens, positions, slots) of the rows that each feed one token -> logits (B, V).
 
     The library keeps raw pointers into the weights and the cache's buffers: this object holds
@@ -149,14 +150,14 @@ class NativeDecodeStep:
         ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() if t is not None else None for t in tensors])
         omp = omp_entry_points() if use_openmp else None
         if omp is None and max_threads > 1:
-            log.warning("native decode step: no libgomp entry points in this process, one thread only")
+            log.warning("native step: no libgomp entry points in this process, one thread only")
         self._omp = (ctypes.c_void_p * len(omp))(*omp) if omp else None
         self._handle = self._lib.ns_create(
             cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cache.slots, cache.capacity, self.max_rows,
             max_threads, cfg.layer_norm_epsilon, ptrs, self._omp,
         )
         if not self._handle:
-            raise MemoryError("the native decode step could not allocate its buffers")
+            raise MemoryError("the native step could not allocate its buffers")
 
     def __call__(
         self, tokens: list[int], positions: list[int], slots: list[int], logit_rows: list[int] | None = None
@@ -176,7 +177,7 @@ class NativeDecodeStep:
                                     ("slot", slots, self.slots), ("logit row", out, rows)):
             bad = [v for v in values if not 0 <= v < bound]
             if bad:
-                raise ValueError(f"native decode step: {name} {bad[0]} is outside [0, {bound})")
+                raise ValueError(f"native step: {name} {bad[0]} is outside [0, {bound})")
         row_array = ctypes.c_int64 * rows
         logits = torch.empty(len(out), self.vocab, dtype=torch.float32)
         threads = max(1, min(torch.get_num_threads(), self.max_threads))

@@ -15,7 +15,7 @@ from model.gpt import GPT
 from model.sampling import SamplingBatch, sample_tokens, seeded_uniform, token_logprobs
 from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
-from service.engine.native_step import NativeDecodeStep
+from service.engine.native_step import NativeStep
 from service.engine.request import Request
 from service.engine.threads import ThreadTuner
 
@@ -67,9 +67,9 @@ class ModelRunner:
         # chunks alike; the engine sizes it to its largest step) is one native call instead
         # (native_step.py). Rows are computed independently there, so batched and alone give the
         # same bits and deterministic mode may batch them too.
-        self.native_step: NativeDecodeStep | None = None
+        self.native_step: NativeStep | None = None
         if native_weights is not None:
-            self.native_step = NativeDecodeStep(
+            self.native_step = NativeStep(
                 model, native_weights, self.cache, max_threads=cpu_threads, max_rows=native_max_rows
             )
         self.vocab = model.config.vocab_size

@@ -100,9 +100,17 @@ STOP_WHILE_STREAMING = """() => new Promise((resolve, reject) => {
   // page's main thread busy with stream chunks and frames can wait until the reply has ended.
   const watcher = new MutationObserver(() => { if (check()) watcher.disconnect(); });
   watcher.observe(document.body, { subtree: true, childList: true, characterData: true });
-  const fail = () => { watcher.disconnect(); reject(new Error("no streamed tokens within 30 s")); };
+  const fail = () => {
+    watcher.disconnect();
+    const metas = document.querySelectorAll(".msg.assistant .meta");
+    const state = `first=${first}; reply: ${metas.length ? metas[metas.length - 1].textContent : "none"}; ` +
+      `status: ${document.getElementById("status").textContent}`;
+    reject(new Error("no streamed tokens within 30 s (" + state + ")"));
+  };
   setTimeout(() => { if (!done) fail(); }, 30000);
-  if (check()) watcher.disconnect();
+  // Send only now: the watcher must be in place before the reply starts (under load the page's
+  // thread was busy with the whole 4000-token reply before a watcher installed after the click ran).
+  document.getElementById("send").click();
 })"""
 
 
@@ -135,10 +143,9 @@ def test_type_send_stream_and_stop(browser: Any, server: ServerProcess) -> None:
     before = metric_value(metrics(server), cancelled)
     page.fill("#max-tokens", "4000")
     page.fill("#prompt", "Tell me everything")
-    page.click("#send")
-    # Watch and click inside the page, on the change that shows more text arriving: from Python, on
-    # an idle machine, the 4000-token reply of the tiny model could finish between a check that
-    # Stop is enabled and the click.
+    # Send, watch and click Stop inside the page, on the change that shows more text arriving: from
+    # Python, on an idle machine, the 4000-token reply of the tiny model could finish between a
+    # check that Stop is enabled and the click.
     first_len, clicked_len, was_enabled, streaming = page.evaluate(STOP_WHILE_STREAMING)
     assert clicked_len > first_len >= 3  # streamed in pieces, not at once
     assert was_enabled and streaming == 1

@@ -1,1 +1,1 @@
-"""The native decode step's C source (decode.c) and, once built, its library."""
+"""The native step's C source (decode.c) and, once built, its library."""

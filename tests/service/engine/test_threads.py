@@ -182,7 +182,7 @@ def test_default_cpu_threads_follows_omp_num_threads(monkeypatch: pytest.MonkeyP
 # (an elementwise op, a oneDNN weight reorder and packed linear, an MKL matmul) after another
 # thread (the engine's) set two threads.
 _POOL_PROBE = """
-import os, threading, torch
+import os, threading, time, torch
 from concurrent.futures import ThreadPoolExecutor
 from service.engine.threads import single_threaded_elsewhere, single_threaded_executor
 single_threaded_elsewhere()
@@ -192,11 +192,17 @@ def work():
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
     torch.ops.mkldnn._linear_pointwise(torch.randn(64, 384), packed, None, "none", [], "")
     torch.randn(256, 384) @ weight.t()
+def settled():  # a joined thread (and an earlier executor's pool) can linger in /proc briefly
+    count = -1
+    while count != len(os.listdir("/proc/self/task")):
+        count = len(os.listdir("/proc/self/task"))
+        time.sleep(0.2)
 def gained(executor):
     with executor:
         executor.submit(lambda: None).result()
         engine = threading.Thread(target=torch.set_num_threads, args=(2,))
         engine.start(); engine.join()
+        settled()
         before = len(os.listdir("/proc/self/task"))
         executor.submit(work).result()
         return len(os.listdir("/proc/self/task")) - before
