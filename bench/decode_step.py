@@ -28,7 +28,7 @@ from model.config import GPTConfig
 from model.gpt import GPT
 from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
-from service.engine.native_step import NativeStep, capture_weights
+from service.engine.native_step import NativeStep
 from service.engine.packed_linear import pack_linears
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -63,7 +63,7 @@ def bench_shape(shape: str, rows_list: list[int], prefills: list[int], steps: in
     # (counted before packing: packed weights are buffers, not parameters).
     layer_bytes = sum(p.numel() for n, p in model.named_parameters() if ".h." in f".{n}") * 4
     weight_bytes = layer_bytes + cfg.vocab_size * cfg.n_embd * 4
-    native = NativeStep(model, capture_weights(model), cache, max_threads=torch.get_num_threads(),
+    native = NativeStep(model, cache, max_threads=torch.get_num_threads(),
                         max_rows=max([*prefills, 1]))
     pack_linears(model, batch_hint=slots)
     reference = DecodeStep(model, cache)

@@ -22,7 +22,6 @@ from model.checkpoint import Checkpoint, load_checkpoint
 from model.tokenizer import Tokenizer, TokenizerError
 from service.engine.config import EngineConfig
 from service.engine.dtype_probe import SLOW_FACTOR, cpu_matmul_slowdown
-from service.engine.native_step import capture_weights
 from service.engine.native_step import unavailable_reason as native_unavailable
 from service.engine.packed_linear import pack_linears, packed_linear_supported
 from service.engine.request import Request
@@ -69,17 +68,18 @@ class Engine:
         self.model = checkpoint.build_model(self.device, config.torch_dtype)
         self.num_params = self.model.num_params(non_embedding=False)
         self.native_step_off = self._native_step_off(config)
-        native_weights = capture_weights(self.model) if self.native_step_off is None else None
+        native = self.native_step_off is None
         self.packed_linears = 0
         packable = packed_linear_supported(self.model.wte.weight.device, config.torch_dtype)
         # oneDNN packing only where torch runs the forwards: the native step runs them all.
-        if config.packed_linear and packable and not config.compile and native_weights is None:
+        if config.packed_linear and packable and not config.compile and not native:
             self.packed_linears = pack_linears(self.model, batch_hint=config.max_seqs)
         self.runner = ModelRunner(
             self.model, config.max_seqs, self.window,
             usable_vocab=self.tokenizer.vocab_size, deterministic=config.deterministic,
-            cpu_threads=config.cpu_threads or default_cpu_threads(), native_weights=native_weights,
-            native_max_rows=max(config.max_seqs, config.prefill_budget, config.idle_prefill_budget),
+            cpu_threads=config.cpu_threads or default_cpu_threads(),
+            # The native step's capacity: the largest step this engine runs (0: torch runs them).
+            native_max_rows=max(config.max_seqs, config.prefill_budget, config.idle_prefill_budget) * native,
         )
         if config.compile:
             # Shapes vary with batch size, chunk length and attention span: compile dynamically.
@@ -105,7 +105,7 @@ class Engine:
         )
 
     def _native_step_off(self, config: EngineConfig) -> str | None:
-        """Why decode steps will not use the native step (None: they will); logged once."""
+        """Why forwards will not run on the native step (None: they will); logged once."""
         reason = native_unavailable(torch.device(self.device), config.torch_dtype)
         if not config.native_step:
             reason = "native_step is off"

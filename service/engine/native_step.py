@@ -85,8 +85,8 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 
 def capture_weights(model: GPT) -> list[torch.Tensor | None]:
     """The model's weights in the order ns_create reads them (linear weights packed in panels),
-    without the KV cache buffers (the step adds its cache's). Taken before the engine packs its
-    linears for oneDNN, which drops nn.Linear's layout."""
+    without the KV cache buffers (the step adds its cache's). Needs nn.Linear's layout: take them
+    before any oneDNN packing (the engine does not pack where the native step runs)."""
 
     def plain(t: torch.Tensor | None) -> torch.Tensor | None:
         return t.detach().contiguous() if t is not None else None
@@ -125,8 +125,7 @@ class NativeStep:
     the tensors, so they live as long as it does."""
 
     def __init__(
-        self, model: GPT, weights: list[torch.Tensor | None], cache: SpanKVCache, max_threads: int,
-        use_openmp: bool = True, max_rows: int = 0,
+        self, model: GPT, cache: SpanKVCache, max_threads: int, use_openmp: bool = True, max_rows: int = 0,
     ) -> None:
         path = library_path()
         if path is None:
@@ -136,6 +135,7 @@ class NativeStep:
         self.vocab, self.window, self.slots = cfg.vocab_size, cache.capacity, cache.slots
         self.max_threads = max_threads
         self.max_rows = max(max_rows, cache.slots)
+        weights = capture_weights(model)
         caches: list = list(cache.layers)
         tensors: list[torch.Tensor | None] = weights[:2]
         for i, layer in enumerate(caches):

@@ -51,8 +51,7 @@ class SampleResult:
 class ModelRunner:
     def __init__(
         self, model: GPT, slots: int, window: int, usable_vocab: int, deterministic: bool = False,
-        cpu_threads: int = 1, native_weights: list[torch.Tensor | None] | None = None,
-        native_max_rows: int = 0,
+        cpu_threads: int = 1, native_max_rows: int = 0,
     ) -> None:
         self.model = model
         self.device = model.wte.weight.device
@@ -63,14 +62,14 @@ class ModelRunner:
         # Decode steps (one token per row) skip the general forward (decode_step.py); None
         # when the model is compiled, so the compiled graph runs every step.
         self.decode_step: DecodeStep | None = DecodeStep(model, self.cache)
-        # On CPU in float32 every forward of up to native_max_rows tokens (decode rows and prompt
-        # chunks alike; the engine sizes it to its largest step) is one native call instead
-        # (native_step.py). Rows are computed independently there, so batched and alone give the
-        # same bits and deterministic mode may batch them too.
+        # With native_max_rows > 0 (CPU, float32) every forward of up to that many tokens (decode
+        # rows and prompt chunks alike; the engine sizes it to its largest step) is one native
+        # call instead (native_step.py). Rows are computed independently there, so batched and
+        # alone give the same bits and deterministic mode may batch them too.
         self.native_step: NativeStep | None = None
-        if native_weights is not None:
+        if native_max_rows > 0:
             self.native_step = NativeStep(
-                model, native_weights, self.cache, max_threads=cpu_threads, max_rows=native_max_rows
+                model, self.cache, max_threads=cpu_threads, max_rows=native_max_rows
             )
         self.vocab = model.config.vocab_size
         # nanoGPT pads the vocabulary (50257 -> 50304) for speed: ids the tokenizer cannot
@@ -186,20 +185,15 @@ class ModelRunner:
         logits = torch.where(finite.view(-1, 1), logits, 0.0)
         if self.usable_vocab < self.vocab:
             logits[:, self.usable_vocab :] = float("-inf")
-        if all(r.params.temperature == 0 and not _uses_penalties(r) for r in reqs):
-            # Greedy rows without penalties: what sample_tokens returns for them, without building
-            # the sampling batch (a handful of small tensors: ~0.1 ms of a ~2 ms batch-1 step).
-            tokens = logits.float().argmax(dim=-1)
-        else:
-            batch = self._batch(reqs)
-            slots = torch.tensor([r.slot for r in reqs], device=self.device)
-            penal = batch.repetition_penalty is not None or batch.frequency_penalty is not None
-            tokens = sample_tokens(
-                logits, batch,
-                seen=self.seen.index_select(0, slots) if penal else None,
-                counts=self.counts.index_select(0, slots) if penal else None,
-            )
-            self._record(reqs, tokens)
+        batch = self._batch(reqs)
+        slots = torch.tensor([r.slot for r in reqs], device=self.device)
+        penal = batch.repetition_penalty is not None or batch.frequency_penalty is not None
+        tokens = sample_tokens(
+            logits, batch,
+            seen=self.seen.index_select(0, slots) if penal else None,
+            counts=self.counts.index_select(0, slots) if penal else None,
+        )
+        self._record(reqs, tokens)
         top_n = max(r.params.top_n_tokens for r in reqs)
         want_lp = top_n > 0 or any(r.params.logprobs for r in reqs)
         lp = top_v = top_i = None

@@ -273,47 +273,8 @@ static void axpy_scalar(float *y, float a, const float *x, int n) {
 }
 
 #ifdef NS_X86
-__attribute__((target("avx2,fma"))) static float dot_avx2(const float *a, const float *b, int n) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-    }
-    float s = hsum256(_mm256_add_ps(s0, s1));
-    return s + dot_scalar(a + i, b + i, n - i);
-}
-
-__attribute__((target("avx2,fma"))) static void axpy_avx2(float *y, float a, const float *x, int n) {
-    const __m256 va = _mm256_set1_ps(a);
-    int i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    axpy_scalar(y + i, a, x + i, n - i);
-}
-#endif
-
-static float dot(const Model *m, const float *a, const float *b, int n) {
-#ifdef NS_X86
-    if (m->avx2) return dot_avx2(a, b, n);
-#endif
-    (void)m;
-    return dot_scalar(a, b, n);
-}
-
-static void axpy(const Model *m, float *y, float a, const float *x, int n) {
-#ifdef NS_X86
-    if (m->avx2) {
-        axpy_avx2(y, a, x, n);
-        return;
-    }
-#endif
-    (void)m;
-    axpy_scalar(y, a, x, n);
-}
-
-#ifdef NS_X86
-/* q . k_t for four positions at once (four independent chains); each score is summed in the same
- * order as score1's, so grouping never changes a value. */
+/* q . k_t for one position; attend_avx2 sums four positions at once (four independent chains) in
+ * this same order, so grouping never changes a value. */
 __attribute__((target("avx2,fma"))) static float score1(const float *q, const float *k, int hs) {
     __m256 a = _mm256_setzero_ps();
     for (int i = 0; i < hs; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
@@ -374,13 +335,14 @@ __attribute__((target("avx2,fma"))) static void attend_avx2(const float *q, cons
 }
 #endif
 
-/* Attention of one query over n cached positions, any head_dim. */
-static void attend_generic(const Model *m, const float *q, const float *k, const float *v, int64_t n, int hs,
-                           float *scores, float *out) {
+/* Attention of one query over n cached positions, any head_dim (scalar: head sizes that are not a
+ * multiple of 8 are rare, and attention is a small part of a step). */
+static void attend_generic(const float *q, const float *k, const float *v, int64_t n, int hs, float *scores,
+                           float *out) {
     const float scale = 1.0f / sqrtf((float)hs);
     float best = -INFINITY;
     for (int64_t t = 0; t < n; t++) {
-        scores[t] = dot(m, q, k + t * hs, hs) * scale;
+        scores[t] = dot_scalar(q, k + t * hs, hs) * scale;
         if (scores[t] > best) best = scores[t];
     }
     float total = 0;
@@ -390,7 +352,7 @@ static void attend_generic(const Model *m, const float *q, const float *k, const
     }
     memset(out, 0, hs * sizeof(float));
     const float inv = 1.0f / total;
-    for (int64_t t = 0; t < n; t++) axpy(m, out, scores[t] * inv, v + t * hs, hs);
+    for (int64_t t = 0; t < n; t++) axpy_scalar(out, scores[t] * inv, v + t * hs, hs);
 }
 
 /* Row r's new key and value for head hd, into its slot at its position. */
@@ -418,7 +380,7 @@ static void attend(const Model *m, const Layer *L, const Job *job, int r, int hd
         return;
     }
 #endif
-    attend_generic(m, q, k, v, pos + 1, hs, scores, out);
+    attend_generic(q, k, v, pos + 1, hs, scores, out);
 }
 
 /* ---------------------------------------------------------------- the step, per thread */

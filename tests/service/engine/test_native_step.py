@@ -12,7 +12,7 @@ from model.config import GPTConfig
 from model.gpt import GPT
 from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
-from service.engine.native_step import NativeStep, capture_weights, library_path, omp_entry_points
+from service.engine.native_step import NativeStep, library_path, omp_entry_points
 from tests.conftest import IN_CI
 from tests.service.engine.conftest import EngineFactory, collect, token_ids
 
@@ -66,7 +66,7 @@ def test_native_step_matches_the_torch_decode_step(shape: str, rows: int, openmp
     lengths = dict(zip(slots, [5, 17, 1, 30, 9], strict=False))
     torch_cache, native_cache = _prefilled(model, 8, lengths), _prefilled(model, 8, lengths)
     reference = DecodeStep(model, torch_cache)
-    native = NativeStep(model, capture_weights(model), native_cache, max_threads=2, use_openmp=openmp)
+    native = NativeStep(model, native_cache, max_threads=2, use_openmp=openmp)
     gen = torch.Generator().manual_seed(2)
     positions = [lengths[s] for s in slots]
     torch.set_num_threads(2)
@@ -94,7 +94,7 @@ def test_prompt_chunks_and_decode_rows_in_one_call_match_the_model(shape: str) -
     model = _model(SHAPES[shape])
     lengths = {2: 10, 5: 12}
     torch_cache, native_cache = _prefilled(model, 8, lengths), _prefilled(model, 8, lengths)
-    native = NativeStep(model, capture_weights(model), native_cache, max_threads=2, max_rows=32)
+    native = NativeStep(model, native_cache, max_threads=2, max_rows=32)
     gen = torch.Generator().manual_seed(3)
     work = [(2, 10, 1), (0, 0, 7), (5, 12, 5)]  # (slot, first position, tokens)
     tokens, positions, slots, want = [], [], [], []
@@ -125,7 +125,7 @@ def test_a_row_gets_the_same_bits_alone_batched_and_on_any_thread_count() -> Non
     results = []
     for rows, threads in ((4, 2), (1, 2), (4, 1), (1, 1)):
         cache = _prefilled(model, 4, lengths)
-        native = NativeStep(model, capture_weights(model), cache, max_threads=2)
+        native = NativeStep(model, cache, max_threads=2)
         torch.set_num_threads(threads)
         try:
             slots = list(range(rows))
@@ -152,7 +152,7 @@ def test_out_of_range_rows_raise_instead_of_reaching_the_library(
     tokens: list[int], positions: list[int], slots: list[int], message: str
 ) -> None:
     model = _model(SHAPES["ragged"])
-    native = NativeStep(model, capture_weights(model), _prefilled(model, 4, {}), max_threads=1)
+    native = NativeStep(model, _prefilled(model, 4, {}), max_threads=1)
     with pytest.raises(ValueError, match=message):
         native(tokens, positions, slots)
 
