@@ -56,19 +56,22 @@ class Engine:
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.window = config.window_for(checkpoint.config.block_size)
         self.device = config.resolved_device()
+        self.native_step_off = self._native_step_off(config)
+        native = self.native_step_off is None
         self.dtype_slowdown = 1.0  # this dtype's matmul time over float32's, on a CPU
         if self.device == "cpu" and config.torch_dtype != torch.float32:
             self.dtype_slowdown = cpu_matmul_slowdown(config.torch_dtype)
-            if self.dtype_slowdown > SLOW_FACTOR:
+            # The native step computes in float32 whatever the weights' dtype: only torch's
+            # kernels pay for a dtype this CPU emulates.
+            if self.dtype_slowdown > SLOW_FACTOR and not native:
                 log.warning(
                     "engine: %s matmuls run %.0fx slower than float32 on this CPU (no native %s "
-                    "support, torch CPU capability %s): serve with dtype float32",
-                    config.dtype, self.dtype_slowdown, config.dtype, torch.backends.cpu.get_cpu_capability(),
+                    "support, torch CPU capability %s) and the native step is off: serve with dtype "
+                    "float32", config.dtype, self.dtype_slowdown, config.dtype,
+                    torch.backends.cpu.get_cpu_capability(),
                 )
         self.model = checkpoint.build_model(self.device, config.torch_dtype)
         self.num_params = self.model.num_params(non_embedding=False)
-        self.native_step_off = self._native_step_off(config)
-        native = self.native_step_off is None
         self.packed_linears = 0
         packable = packed_linear_supported(self.model.wte.weight.device, config.torch_dtype)
         # oneDNN packing only where torch runs the forwards: the native step runs them all.

@@ -1,4 +1,4 @@
-"""Forwards as one native call (native/decode.c), on CPU in float32.
+"""Forwards as one native call (native/decode.c), on CPU, float32 or bfloat16 weights.
 
 At batch 1 a decode step streams every weight once and is bound by memory bandwidth; through
 torch's kernels it reached 5-7 GB/s of the 25-30 GB/s this machine streams with two threads
@@ -11,7 +11,12 @@ Weights are repacked once into panels of 16 output features, so every loaded wei
 up to six rows (it beat the oneDNN path at every batch and prompt size measured, 1 to 1024 rows).
 
 It computes what `DecodeStep` and `GPT.forward` compute (the parity tests compare them) with a
-different summation order, so logits agree to float32 rounding, not bit for bit. Each row is
+different summation order, so logits agree to float32 rounding, not bit for bit. A bfloat16 model
+keeps its weights and KV cache in bfloat16 (half the bytes to stream) but the step computes in
+float32, widening each value as it is loaded: CPUs without bf16 arithmetic (this AVX2 EPYC) run
+torch's bf16 kernels emulated, ~100x slower than float32 for matmuls. So its logits are those of
+the float32 model with the same (bf16) weights and bf16-rounded keys and values, closer to that
+than torch's bf16 forward, which rounds every intermediate to bf16. Each row is
 computed on its own (no reduction runs across rows, and the threads split output features, never
 a sum), so a row's logits do not depend on the batch around it or on the thread count.
 """
@@ -34,6 +39,7 @@ log = logging.getLogger(__name__)
 _OMP_ENTRY_POINTS = ("GOMP_parallel", "GOMP_barrier", "omp_get_thread_num", "omp_get_num_threads")
 _LIBRARY_NAME = "_decode"
 _WEIGHTS_PER_LAYER = 12  # ln_1, c_attn, c_proj, ln_2, c_fc, mlp c_proj: weight and bias each
+_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # decode.c's F32, BF16
 
 
 def library_path() -> Path | None:
@@ -63,8 +69,8 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the native step cannot run here, or None when it can."""
     if device.type != "cpu":
         return f"device is {device.type} (the native step is CPU-only)"
-    if dtype != torch.float32:
-        return f"dtype is {dtype} (the native step is float32-only)"
+    if dtype not in _TYPES:
+        return f"dtype is {dtype} (the native step runs float32 and bfloat16)"
     if library_path() is None:
         return "service/engine/native/decode.c is not built (pip install builds it; needs a C compiler)"
     return None
@@ -75,27 +81,35 @@ PANEL = 16  # decode.c's PANEL
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """nn.Linear's (out, in) weight as decode.c reads it: panels of PANEL output features, (out /
-    PANEL, in, PANEL), zero-padded to whole panels."""
+    PANEL, in, PANEL), zero-padded to whole panels. bfloat16 interleaves each input's two halves
+    of the panel (features j and j + 8 side by side), which decode.c widens with a shift and a mask."""
     out, inp = weight.shape
     pad = -out % PANEL
     if pad:
         weight = torch.cat([weight, weight.new_zeros(pad, inp)])
-    return weight.reshape(-1, PANEL, inp).transpose(1, 2).contiguous()
+    panels = weight.reshape(-1, PANEL, inp).transpose(1, 2)
+    if weight.dtype == torch.bfloat16:
+        panels = panels.reshape(-1, inp, 2, PANEL // 2).transpose(2, 3).reshape(-1, inp, PANEL)
+    return panels.contiguous()
 
 
 def capture_weights(model: GPT) -> list[torch.Tensor | None]:
     """The model's weights in the order ns_create reads them (linear weights packed in panels),
     without the KV cache buffers (the step adds its cache's). Needs nn.Linear's layout: take them
-    before any oneDNN packing (the engine does not pack where the native step runs)."""
+    before any oneDNN packing (the engine does not pack where the native step runs). Embeddings
+    and linear weights keep the model's dtype; biases and norms (a few KB) become float32."""
 
     def plain(t: torch.Tensor | None) -> torch.Tensor | None:
         return t.detach().contiguous() if t is not None else None
 
+    def small(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t.detach().float().contiguous() if t is not None else None
+
     def linear(module: nn.Linear) -> list[torch.Tensor | None]:
-        return [pack_panels(module.weight.detach()), plain(module.bias)]
+        return [pack_panels(module.weight.detach()), small(module.bias)]
 
     def norm(module: nn.LayerNorm) -> list[torch.Tensor | None]:
-        return [plain(module.weight), plain(module.bias)]
+        return [small(module.weight), small(module.bias)]
 
     w: list[torch.Tensor | None] = [plain(model.wte.weight), plain(model.wpe.weight)]
     blocks: list[Block] = list(model.h)  # type: ignore[arg-type]
@@ -109,7 +123,8 @@ def capture_weights(model: GPT) -> list[torch.Tensor | None]:
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.ns_create.restype = ctypes.c_void_p
-    lib.ns_create.argtypes = [*[ctypes.c_int] * 8, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+    lib.ns_create.argtypes = [*[ctypes.c_int] * 8, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                              ctypes.c_void_p]
     lib.ns_step.restype = None
     ptr, num = ctypes.c_void_p, ctypes.c_int
     lib.ns_step.argtypes = [ptr, num, ptr, ptr, ptr, num, ptr, ptr, num]
@@ -142,10 +157,14 @@ class NativeStep:
             tensors += weights[2 + i * _WEIGHTS_PER_LAYER : 2 + (i + 1) * _WEIGHTS_PER_LAYER]
             tensors += [layer.k, layer.v]
         tensors += weights[2 + len(caches) * _WEIGHTS_PER_LAYER :]
+        wdtype, kvdtype = model.wte.weight.dtype, cache.layers[0].k.dtype
+        if wdtype not in _TYPES or kvdtype not in _TYPES:
+            raise ValueError(f"the native step runs float32 and bfloat16, not {wdtype} weights / {kvdtype} cache")
         for t in tensors:
-            plain = t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
+            plain = t is None or (t.dtype in (torch.float32, wdtype, kvdtype) and t.device.type == "cpu"
+                                  and t.is_contiguous())
             if not plain:
-                raise ValueError("the native step needs contiguous float32 CPU tensors")
+                raise ValueError("the native step needs contiguous CPU tensors of the model's dtype")
         self._tensors = tensors
         ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() if t is not None else None for t in tensors])
         omp = omp_entry_points() if use_openmp else None
@@ -154,7 +173,7 @@ class NativeStep:
         self._omp = (ctypes.c_void_p * len(omp))(*omp) if omp else None
         self._handle = self._lib.ns_create(
             cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cache.slots, cache.capacity, self.max_rows,
-            max_threads, cfg.layer_norm_epsilon, ptrs, self._omp,
+            max_threads, cfg.layer_norm_epsilon, _TYPES[wdtype], _TYPES[kvdtype], ptrs, self._omp,
         )
         if not self._handle:
             raise MemoryError("the native step could not allocate its buffers")

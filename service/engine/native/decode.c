@@ -32,8 +32,13 @@ typedef void (*parallel_fn)(void (*fn)(void *), void *data, unsigned nthreads, u
 typedef void (*barrier_fn)(void);
 typedef int (*int_fn)(void);
 
+/* Element types of weights and of the KV cache: float32, or bfloat16 (the upper half of a float32;
+ * computed in float32 all the same, see to_float). */
+enum { F32 = 0, BF16 = 1 };
+
 typedef struct {
-    const float *w, *b; /* w: (out, in) packed in panels, see gemv; b: (out,) or NULL */
+    const void *w; /* (out, in) packed in panels of the model's weight type, see gemv */
+    const float *b; /* (out,) or NULL */
     int out, in;
 } Linear;
 
@@ -44,13 +49,14 @@ typedef struct {
 typedef struct {
     Norm ln1, ln2;
     Linear attn, proj, fc, mproj;
-    float *k, *v; /* (slots, n_head, window, head_dim) */
+    void *k, *v; /* (slots, n_head, window, head_dim), of type kvt */
 } Layer;
 
 typedef struct {
     int n_layer, n_head, head_dim, n_embd, vocab, slots, window, max_rows, max_threads;
     float eps;
-    const float *wte, *wpe;
+    int wt, kvt; /* element types of the weights (linear, embeddings) and of the KV cache */
+    const void *wte, *wpe;
     Layer *layers;
     Norm lnf;
     Linear head;
@@ -72,6 +78,34 @@ typedef struct {
     int n_out;
     float *logits; /* (n_out, vocab) */
 } Job;
+
+/* ---------------------------------------------------------------- bfloat16
+
+ * bfloat16 is stored, never computed: weights and cached keys/values are widened to float32 as
+ * they are loaded (a 16-bit shift) and every sum runs in float32. On CPUs without bf16 arithmetic
+ * (this AVX2 EPYC: torch's bf16 matmuls ran ~100x slower than float32) that is how bf16 can be
+ * fast: a batch-1 step reads half the bytes, and no arithmetic is emulated. */
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch's float32 -> bfloat16 conversion does (NaN stays NaN). */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Element i of an array of type `type`, as float32. */
+static inline float to_float(const void *p, int type, size_t i) {
+    return type == BF16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
 
 /* ---------------------------------------------------------------- small row kernels */
 
@@ -153,7 +187,9 @@ static void gelu(const Model *m, float *x, int n) {
  * features' weights for one input k, and each input element is broadcast against them: no
  * horizontal sums, any batch size shares each loaded weight, and a thread's slice of a weight is
  * one contiguous stream. Every output is summed over k in order, one fused multiply-add at a
- * time, whatever the number of rows: a row's result never depends on the rows beside it. */
+ * time, whatever the number of rows: a row's result never depends on the rows beside it.
+ * bfloat16 panels interleave the two halves of a panel, [p][k][j][h] = W[p * PANEL + 8 h + j][k]
+ * (j < 8), so one 32-byte load widens to both halves' vectors with a shift and a mask. */
 #define PANEL 16
 #define MAX_R 6 /* rows per register block: 6 x 2 accumulators + 2 weight vectors + 1 broadcast */
 
@@ -168,11 +204,13 @@ static void store_panel(const Linear *l, float *y, int ystride, int rows, int o,
     }
 }
 
-static void panel_scalar(const float *wp, int in, const float *x, int rows, float *sums) {
+static void panel_scalar(const void *wp, int wt, int in, const float *x, int rows, float *sums) {
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < PANEL; j++) {
+            /* feature j's place within input k's PANEL elements (bfloat16: halves interleaved) */
+            const size_t at = wt == BF16 ? (size_t)(j % 8) * 2 + j / 8 : (size_t)j;
             float s = 0;
-            for (int k = 0; k < in; k++) s += wp[(size_t)k * PANEL + j] * x[(size_t)r * in + k];
+            for (int k = 0; k < in; k++) s += to_float(wp, wt, (size_t)k * PANEL + at) * x[(size_t)r * in + k];
             sums[r * PANEL + j] = s;
         }
 }
@@ -198,36 +236,44 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
         _mm256_storeu_ps(sums + (r) * PANEL, lo##r);                                                       \
         _mm256_storeu_ps(sums + (r) * PANEL + 8, hi##r);                                                   \
     }
-#define PANEL_KERNEL(N)                                                                                    \
-    __attribute__((target("avx2,fma"))) static void panel##N(const float *wp, int in, const float *x,     \
-                                                             float *sums) {                               \
+/* Input k's weights for the panel's 16 features, as two float32 vectors (features 0-7, 8-15). */
+#define LOAD_F32(wp, k)                                                                                    \
+    const __m256 w0 = _mm256_loadu_ps((const float *)(wp) + (size_t)(k) * PANEL);                         \
+    const __m256 w1 = _mm256_loadu_ps((const float *)(wp) + (size_t)(k) * PANEL + 8);
+#define LOAD_BF16(wp, k)                                                                                   \
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)(wp) + (size_t)(k) * PANEL)); \
+    const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));                                    \
+    const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32((int)0xffff0000u)));
+#define PANEL_KERNEL(NAME, N, LOADW)                                                                       \
+    __attribute__((target("avx2,fma"))) static void NAME(const void *wp, int in, const float *x,          \
+                                                         float *sums) {                                   \
         enum { R = N };                                                                                    \
         __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0, lo3 = lo0, \
                hi3 = lo0, lo4 = lo0, hi4 = lo0, lo5 = lo0, hi5 = lo0;                                      \
         for (int k = 0; k < in; k++) {                                                                     \
-            const __m256 w0 = _mm256_loadu_ps(wp + (size_t)k * PANEL);                                     \
-            const __m256 w1 = _mm256_loadu_ps(wp + (size_t)k * PANEL + 8);                                 \
+            LOADW(wp, k)                                                                                   \
             ROW_STEP(0) ROW_STEP(1) ROW_STEP(2) ROW_STEP(3) ROW_STEP(4) ROW_STEP(5)                         \
         }                                                                                                  \
         ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5)                       \
     }
-PANEL_KERNEL(1)
-PANEL_KERNEL(2)
-PANEL_KERNEL(3)
-PANEL_KERNEL(4)
-PANEL_KERNEL(5)
-PANEL_KERNEL(6)
+PANEL_KERNEL(panel1, 1, LOAD_F32)
+PANEL_KERNEL(panel2, 2, LOAD_F32)
+PANEL_KERNEL(panel3, 3, LOAD_F32)
+PANEL_KERNEL(panel4, 4, LOAD_F32)
+PANEL_KERNEL(panel5, 5, LOAD_F32)
+PANEL_KERNEL(panel6, 6, LOAD_F32)
+PANEL_KERNEL(panel1_bf16, 1, LOAD_BF16)
+PANEL_KERNEL(panel2_bf16, 2, LOAD_BF16)
+PANEL_KERNEL(panel3_bf16, 3, LOAD_BF16)
+PANEL_KERNEL(panel4_bf16, 4, LOAD_BF16)
+PANEL_KERNEL(panel5_bf16, 5, LOAD_BF16)
+PANEL_KERNEL(panel6_bf16, 6, LOAD_BF16)
 
-static void panel_avx2(const float *wp, int in, const float *x, int rows, float *sums) {
-    switch (rows) {
-    case 1: panel1(wp, in, x, sums); break;
-    case 2: panel2(wp, in, x, sums); break;
-    case 3: panel3(wp, in, x, sums); break;
-    case 4: panel4(wp, in, x, sums); break;
-    case 5: panel5(wp, in, x, sums); break;
-    default: panel6(wp, in, x, sums); break;
-    }
-}
+typedef void (*panel_fn)(const void *wp, int in, const float *x, float *sums);
+static const panel_fn PANELS[2][MAX_R] = {
+    {panel1, panel2, panel3, panel4, panel5, panel6},
+    {panel1_bf16, panel2_bf16, panel3_bf16, panel4_bf16, panel5_bf16, panel6_bf16},
+};
 #endif
 
 /* y[r][o] (+)= W[o] . x[r] + b[o] for o in [o0, o1) (o0 a multiple of PANEL), r < rows; x rows are
@@ -235,21 +281,21 @@ static void panel_avx2(const float *wp, int in, const float *x, int rows, float 
 static void gemv(const Model *m, const Linear *l, const float *x, int rows, float *y, int ystride, int o0, int o1,
                  int accumulate) {
     float sums[MAX_R * PANEL];
+    const size_t esize = m->wt == BF16 ? sizeof(uint16_t) : sizeof(float);
     for (int o = o0; o < o1; o += PANEL) {
-        const float *wp = l->w + (size_t)(o / PANEL) * l->in * PANEL;
+        const void *wp = (const char *)l->w + (size_t)(o / PANEL) * l->in * PANEL * esize;
         for (int r = 0; r < rows; r += MAX_R) {
             const int n = rows - r < MAX_R ? rows - r : MAX_R;
             const float *xr = x + (size_t)r * l->in;
 #ifdef NS_X86
             if (m->avx2)
-                panel_avx2(wp, l->in, xr, n, sums);
+                PANELS[m->wt][n - 1](wp, l->in, xr, sums);
             else
 #endif
-                panel_scalar(wp, l->in, xr, n, sums);
+                panel_scalar(wp, m->wt, l->in, xr, n, sums);
             store_panel(l, y + (size_t)r * ystride, ystride, n, o, sums, accumulate);
         }
     }
-    (void)m;
 }
 
 /* This thread's share of `n` output features, in whole panels (the last may be partial). */
@@ -262,44 +308,46 @@ static void share(int n, int tid, int nt, int *lo, int *hi) {
 
 /* ---------------------------------------------------------------- attention */
 
-static float dot_scalar(const float *a, const float *b, int n) {
-    float s = 0;
-    for (int i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-static void axpy_scalar(float *y, float a, const float *x, int n) {
-    for (int i = 0; i < n; i++) y[i] += a * x[i];
-}
-
 #ifdef NS_X86
-/* q . k_t for one position; attend_avx2 sums four positions at once (four independent chains) in
+/* Eight cached elements from element i on, as float32. Inlined into the two attention variants
+ * below with `bf` a constant, so each has one straight-line load. */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 load_kv(const void *p, size_t i, int bf) {
+    if (bf) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* q . k_t for one position; attend_kv sums four positions at once (four independent chains) in
  * this same order, so grouping never changes a value. */
-__attribute__((target("avx2,fma"))) static float score1(const float *q, const float *k, int hs) {
+__attribute__((target("avx2,fma"), always_inline)) static inline float score1(const float *q, const void *k,
+                                                                             size_t at, int hs, int bf) {
     __m256 a = _mm256_setzero_ps();
-    for (int i = 0; i < hs; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
+    for (int i = 0; i < hs; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load_kv(k, at + i, bf), a);
     return hsum256(a);
 }
 
-/* Attention of one query (head_dim a multiple of 8) over n cached positions, into out. */
-__attribute__((target("avx2,fma"))) static void attend_avx2(const float *q, const float *k, const float *v,
-                                                            int64_t n, int hs, float *scores, float *out) {
+/* Attention of one query (head_dim a multiple of 8) over n cached positions, into out; the cache
+ * holds float32 or (bf) bfloat16. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void attend_kv(
+    const float *q, const void *k, const void *v, int64_t n, int hs, float *scores, float *out, int bf) {
     const float scale = 1.0f / sqrtf((float)hs);
     int64_t t = 0;
     for (; t + 4 <= n; t += 4) {
-        const float *k0 = k + t * hs, *k1 = k0 + hs, *k2 = k1 + hs, *k3 = k2 + hs;
+        const size_t k0 = (size_t)t * hs, k1 = k0 + hs, k2 = k1 + hs, k3 = k2 + hs;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int i = 0; i < hs; i += 8) {
             const __m256 qv = _mm256_loadu_ps(q + i);
-            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
-            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
-            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+            a0 = _mm256_fmadd_ps(qv, load_kv(k, k0 + i, bf), a0);
+            a1 = _mm256_fmadd_ps(qv, load_kv(k, k1 + i, bf), a1);
+            a2 = _mm256_fmadd_ps(qv, load_kv(k, k2 + i, bf), a2);
+            a3 = _mm256_fmadd_ps(qv, load_kv(k, k3 + i, bf), a3);
         }
         scores[t] = hsum256(a0) * scale, scores[t + 1] = hsum256(a1) * scale;
         scores[t + 2] = hsum256(a2) * scale, scores[t + 3] = hsum256(a3) * scale;
     }
-    for (; t < n; t++) scores[t] = score1(q, k + t * hs, hs) * scale;
+    for (; t < n; t++) scores[t] = score1(q, k, (size_t)t * hs, hs, bf) * scale;
     float best = -INFINITY;
     for (t = 0; t < n; t++) best = scores[t] > best ? scores[t] : best;
     const __m256 vbest = _mm256_set1_ps(best);
@@ -318,31 +366,41 @@ __attribute__((target("avx2,fma"))) static void attend_avx2(const float *q, cons
         __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
         for (t = 0; t < n; t++) {
             const __m256 p = _mm256_set1_ps(scores[t] * inv);
-            const float *vt = v + t * hs + i;
-            o0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt), o0);
-            o1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8), o1);
-            o2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 16), o2);
-            o3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 24), o3);
+            const size_t vt = (size_t)t * hs + i;
+            o0 = _mm256_fmadd_ps(p, load_kv(v, vt, bf), o0);
+            o1 = _mm256_fmadd_ps(p, load_kv(v, vt + 8, bf), o1);
+            o2 = _mm256_fmadd_ps(p, load_kv(v, vt + 16, bf), o2);
+            o3 = _mm256_fmadd_ps(p, load_kv(v, vt + 24, bf), o3);
         }
         _mm256_storeu_ps(out + i, o0), _mm256_storeu_ps(out + i + 8, o1);
         _mm256_storeu_ps(out + i + 16, o2), _mm256_storeu_ps(out + i + 24, o3);
     }
     for (; i < hs; i += 8) {
         __m256 o = _mm256_setzero_ps();
-        for (t = 0; t < n; t++) o = _mm256_fmadd_ps(_mm256_set1_ps(scores[t] * inv), _mm256_loadu_ps(v + t * hs + i), o);
+        for (t = 0; t < n; t++) o = _mm256_fmadd_ps(_mm256_set1_ps(scores[t] * inv), load_kv(v, (size_t)t * hs + i, bf), o);
         _mm256_storeu_ps(out + i, o);
     }
+}
+
+__attribute__((target("avx2,fma"))) static void attend_avx2(const float *q, const void *k, const void *v,
+                                                            int64_t n, int hs, float *scores, float *out, int kvt) {
+    if (kvt == BF16)
+        attend_kv(q, k, v, n, hs, scores, out, 1);
+    else
+        attend_kv(q, k, v, n, hs, scores, out, 0);
 }
 #endif
 
 /* Attention of one query over n cached positions, any head_dim (scalar: head sizes that are not a
  * multiple of 8 are rare, and attention is a small part of a step). */
-static void attend_generic(const float *q, const float *k, const float *v, int64_t n, int hs, float *scores,
-                           float *out) {
+static void attend_generic(const float *q, const void *k, const void *v, int64_t n, int hs, float *scores,
+                           float *out, int kvt) {
     const float scale = 1.0f / sqrtf((float)hs);
     float best = -INFINITY;
     for (int64_t t = 0; t < n; t++) {
-        scores[t] = dot_scalar(q, k + t * hs, hs) * scale;
+        float s = 0;
+        for (int i = 0; i < hs; i++) s += q[i] * to_float(k, kvt, (size_t)t * hs + i);
+        scores[t] = s * scale;
         if (scores[t] > best) best = scores[t];
     }
     float total = 0;
@@ -352,16 +410,22 @@ static void attend_generic(const float *q, const float *k, const float *v, int64
     }
     memset(out, 0, hs * sizeof(float));
     const float inv = 1.0f / total;
-    for (int64_t t = 0; t < n; t++) axpy_scalar(out, scores[t] * inv, v + t * hs, hs);
+    for (int64_t t = 0; t < n; t++)
+        for (int i = 0; i < hs; i++) out[i] += scores[t] * inv * to_float(v, kvt, (size_t)t * hs + i);
 }
 
 /* Row r's new key and value for head hd, into its slot at its position. */
 static void store_kv(const Model *m, const Layer *L, const Job *job, int r, int hd) {
     const int c = m->n_embd, hs = m->head_dim;
     const size_t at = ((((size_t)job->slot[r] * m->n_head + hd) * m->window) + (size_t)job->pos[r]) * hs;
-    const float *qkv = m->qkv + (size_t)r * 3 * c;
-    memcpy(L->k + at, qkv + c + hd * hs, hs * sizeof(float));
-    memcpy(L->v + at, qkv + 2 * c + hd * hs, hs * sizeof(float));
+    const float *key = m->qkv + (size_t)r * 3 * c + c + hd * hs, *value = key + c;
+    if (m->kvt == BF16) {
+        uint16_t *k = (uint16_t *)L->k + at, *v = (uint16_t *)L->v + at;
+        for (int i = 0; i < hs; i++) k[i] = float_to_bf16(key[i]), v[i] = float_to_bf16(value[i]);
+    } else {
+        memcpy((float *)L->k + at, key, hs * sizeof(float));
+        memcpy((float *)L->v + at, value, hs * sizeof(float));
+    }
 }
 
 /* Row r's query for head hd over its slot's positions 0..pos (softmax in float32, as torch's
@@ -372,15 +436,16 @@ static void attend(const Model *m, const Layer *L, const Job *job, int r, int hd
     const int64_t pos = job->pos[r];
     const size_t base = (((size_t)job->slot[r] * m->n_head + hd) * m->window) * hs;
     const float *q = m->qkv + (size_t)r * 3 * c + hd * hs;
-    const float *k = L->k + base, *v = L->v + base;
+    const size_t esize = m->kvt == BF16 ? sizeof(uint16_t) : sizeof(float);
+    const void *k = (const char *)L->k + base * esize, *v = (const char *)L->v + base * esize;
     float *out = m->y + (size_t)r * c + hd * hs;
 #ifdef NS_X86
     if (m->avx2 && hs % 8 == 0) {
-        attend_avx2(q, k, v, pos + 1, hs, scores, out);
+        attend_avx2(q, k, v, pos + 1, hs, scores, out, m->kvt);
         return;
     }
 #endif
-    attend_generic(q, k, v, pos + 1, hs, scores, out);
+    attend_generic(q, k, v, pos + 1, hs, scores, out, m->kvt);
 }
 
 /* ---------------------------------------------------------------- the step, per thread */
@@ -419,8 +484,8 @@ static void step_thread(void *arg) {
     int lo, hi;
 
     for (int r = tid; r < rows; r += nt) {
-        const float *te = m->wte + (size_t)job->tok[r] * c, *pe = m->wpe + (size_t)job->pos[r] * c;
-        for (int i = 0; i < c; i++) m->x[(size_t)r * c + i] = te[i] + pe[i];
+        const size_t te = (size_t)job->tok[r] * c, pe = (size_t)job->pos[r] * c;
+        for (int i = 0; i < c; i++) m->x[(size_t)r * c + i] = to_float(m->wte, m->wt, te + i) + to_float(m->wpe, m->wt, pe + i);
     }
     sync(job);
     for (int li = 0; li < m->n_layer; li++) {
@@ -454,29 +519,31 @@ static void step_thread(void *arg) {
 
 void ns_free(void *model);
 
-static Linear linear(const float *const **p, int out, int in) {
-    Linear l = {(*p)[0], (*p)[1], out, in};
+static Linear linear(const void *const **p, int out, int in) {
+    Linear l = {(*p)[0], (const float *)(*p)[1], out, in};
     *p += 2;
     return l;
 }
 
-static Norm norm(const float *const **p) {
-    Norm n = {(*p)[0], (*p)[1]};
+static Norm norm(const void *const **p) {
+    Norm n = {(const float *)(*p)[0], (const float *)(*p)[1]};
     *p += 2;
     return n;
 }
 
 /* ptrs: wte, wpe; per layer ln1.w, ln1.b, attn.w, attn.b, proj.w, proj.b, ln2.w, ln2.b, fc.w,
- * fc.b, mproj.w, mproj.b, k, v; then lnf.w, lnf.b, head.w, head.b. Biases may be NULL.
+ * fc.b, mproj.w, mproj.b, k, v; then lnf.w, lnf.b, head.w, head.b. Biases may be NULL. Linear
+ * weights and embeddings are of type wt, k and v of type kvt (F32 or BF16), the rest float32.
  * omp: GOMP_parallel, GOMP_barrier, omp_get_thread_num, omp_get_num_threads, or NULL (one thread). */
 void *ns_create(int n_layer, int n_head, int n_embd, int vocab, int slots, int window, int max_rows,
-                int max_threads, float eps, const float *const *ptrs, void *const *omp) {
+                int max_threads, float eps, int wt, int kvt, const void *const *ptrs, void *const *omp) {
     Model *m = calloc(1, sizeof(Model));
     if (!m) return NULL;
     const int c = n_embd;
     *m = (Model){.n_layer = n_layer, .n_head = n_head, .head_dim = n_embd / n_head, .n_embd = c,
                  .vocab = vocab, .slots = slots, .window = window, .max_rows = max_rows,
-                 .max_threads = max_threads, .eps = eps};
+                 .max_threads = max_threads, .eps = eps, .wt = wt == BF16 ? BF16 : F32,
+                 .kvt = kvt == BF16 ? BF16 : F32};
     if (omp) {
         m->parallel = (parallel_fn)omp[0];
         m->barrier = (barrier_fn)omp[1];
@@ -486,7 +553,7 @@ void *ns_create(int n_layer, int n_head, int n_embd, int vocab, int slots, int w
 #ifdef NS_X86
     m->avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
-    const float *const *p = ptrs;
+    const void *const *p = ptrs;
     m->wte = *p++;
     m->wpe = *p++;
     m->layers = calloc(n_layer, sizeof(Layer));
@@ -510,8 +577,8 @@ void *ns_create(int n_layer, int n_head, int n_embd, int vocab, int slots, int w
         L->ln2 = norm(&p);
         L->fc = linear(&p, 4 * c, c);
         L->mproj = linear(&p, c, 4 * c);
-        L->k = (float *)*p++;
-        L->v = (float *)*p++;
+        L->k = (void *)*p++;
+        L->v = (void *)*p++;
     }
     m->lnf = norm(&p);
     m->head = linear(&p, vocab, c);

@@ -13,6 +13,7 @@ from model.checkpoint import Checkpoint
 from service.engine.config import EngineConfig
 from service.engine.dtype_probe import cpu_matmul_slowdown
 from service.engine.engine import Engine
+from service.engine.native_step import unavailable_reason as native_unavailable
 
 
 def test_float32_is_the_reference_and_bfloat16_gets_a_measured_ratio() -> None:
@@ -21,11 +22,15 @@ def test_float32_is_the_reference_and_bfloat16_gets_a_measured_ratio() -> None:
     assert math.isfinite(ratio) and ratio > 0
 
 
-@pytest.mark.parametrize(("slowdown", "warned"), [(50.0, True), (1.2, False)])
+# The native step computes bfloat16 models in float32, so a slow torch bf16 only matters without it.
+@pytest.mark.parametrize(("slowdown", "native_step", "warned"),
+                         [(50.0, False, True), (1.2, False, False), (50.0, True, False)])
 def test_engine_warns_when_its_dtype_is_slow_here(
     lively: Checkpoint, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-    slowdown: float, warned: bool,
+    slowdown: float, native_step: bool, warned: bool,
 ) -> None:
+    if native_step and native_unavailable(torch.device("cpu"), torch.bfloat16):
+        pytest.skip(f"native step unavailable: {native_unavailable(torch.device('cpu'), torch.bfloat16)}")
     asked: list[torch.dtype] = []
 
     def probe(dtype: torch.dtype) -> float:
@@ -34,8 +39,9 @@ def test_engine_warns_when_its_dtype_is_slow_here(
 
     monkeypatch.setattr(engine_module, "cpu_matmul_slowdown", probe)
     with caplog.at_level(logging.WARNING, logger="service.engine.engine"):
-        engine = Engine(lively, EngineConfig(device="cpu", dtype="bfloat16", max_seqs=2))
+        engine = Engine(lively, EngineConfig(device="cpu", dtype="bfloat16", max_seqs=2, native_step=native_step))
     assert asked == [torch.bfloat16]
+    assert engine.info()["native_step"] is native_step
     assert engine.info()["dtype_matmul_slowdown_vs_float32"] == slowdown
     messages = [r.getMessage() for r in caplog.records]
     assert any("50x slower than float32" in m and "serve with dtype float32" in m

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 
 import pytest
 import torch
@@ -42,9 +44,17 @@ def _model(cfg: GPTConfig) -> GPT:
     return model
 
 
-def _prefilled(model: GPT, slots: int, lengths: dict[int, int]) -> SpanKVCache:
+def _bf16_pair(model: GPT) -> tuple[GPT, GPT]:
+    """The model in bfloat16 (as the native step gets it), and the float32 model of the same
+    bfloat16-rounded weights (the reference: the native step computes in float32)."""
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    return low, copy.deepcopy(low).float()
+
+
+def _prefilled(model: GPT, slots: int, lengths: dict[int, int], dtype: torch.dtype = torch.float32) -> SpanKVCache:
+    """A cache of `dtype` with slot s prefilled by `model` for lengths[s] positions."""
     cfg = model.config
-    cache = SpanKVCache(cfg.n_layer, slots, cfg.n_head, cfg.block_size, cfg.head_dim, torch.float32, "cpu")
+    cache = SpanKVCache(cfg.n_layer, slots, cfg.n_head, cfg.block_size, cfg.head_dim, dtype, "cpu")
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for slot, n in lengths.items():
@@ -87,14 +97,19 @@ def test_native_step_matches_the_torch_decode_step(shape: str, rows: int, openmp
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @torch.no_grad()
-def test_prompt_chunks_and_decode_rows_in_one_call_match_the_model(shape: str) -> None:
+def test_prompt_chunks_and_decode_rows_in_one_call_match_the_model(shape: str, dtype: torch.dtype) -> None:
     """A decode row, a first prompt chunk and a later chunk, in one call: every row's logits are
-    the model's for that position (a chunk's rows attend to each other's keys)."""
-    model = _model(SHAPES[shape])
+    the model's for that position (a chunk's rows attend to each other's keys). A bfloat16 model
+    (weights and cache in bf16, arithmetic in float32) gives the logits of the float32 model with
+    the same weights over a bf16 cache, which torch's forward runs by widening the cache."""
+    model = native_model = _model(SHAPES[shape])
+    if dtype == torch.bfloat16:
+        native_model, model = _bf16_pair(model)
     lengths = {2: 10, 5: 12}
-    torch_cache, native_cache = _prefilled(model, 8, lengths), _prefilled(model, 8, lengths)
-    native = NativeStep(model, native_cache, max_threads=2, max_rows=32)
+    torch_cache, native_cache = _prefilled(model, 8, lengths, dtype), _prefilled(model, 8, lengths, dtype)
+    native = NativeStep(native_model, native_cache, max_threads=2, max_rows=32)
     gen = torch.Generator().manual_seed(3)
     work = [(2, 10, 1), (0, 0, 7), (5, 12, 5)]  # (slot, first position, tokens)
     tokens, positions, slots, want = [], [], [], []
@@ -116,15 +131,22 @@ def test_prompt_chunks_and_decode_rows_in_one_call_match_the_model(shape: str) -
         torch.set_num_threads(1)
     torch.testing.assert_close(every, torch.cat(want), rtol=2e-5, atol=2e-5)
     assert torch.equal(last, every[[0, 7, 12]])
+    for theirs, ours in zip(torch_cache.layers, native_cache.layers, strict=True):
+        # Keys and values written in the cache's dtype; a bf16 rounding may land one unit apart.
+        tol = 2e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(ours.k, theirs.k, rtol=tol, atol=tol)  # type: ignore[union-attr]
+        torch.testing.assert_close(ours.v, theirs.v, rtol=tol, atol=tol)  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @torch.no_grad()
-def test_a_row_gets_the_same_bits_alone_batched_and_on_any_thread_count() -> None:
-    model = _model(SHAPES["ragged"])
+def test_a_row_gets_the_same_bits_alone_batched_and_on_any_thread_count(shape: str, dtype: torch.dtype) -> None:
+    model = _model(SHAPES[shape]).to(dtype)
     lengths = {0: 7, 1: 12, 2: 3, 3: 20}
     results = []
     for rows, threads in ((4, 2), (1, 2), (4, 1), (1, 1)):
-        cache = _prefilled(model, 4, lengths)
+        cache = _prefilled(model, 4, lengths, dtype)
         native = NativeStep(model, cache, max_threads=2)
         torch.set_num_threads(threads)
         try:
@@ -188,3 +210,22 @@ async def test_deterministic_mode_batches_rows_on_the_native_step(make_engine: E
     await asyncio.gather(*(collect(engine, p, max_new_tokens=12, temperature=0.0) for p in prompts))
     assert any(rows > 1 and tokens == 1 for rows, tokens in groups), groups
     assert any(rows > 1 and tokens > 1 for rows, tokens in groups), groups
+
+
+async def test_a_bfloat16_engine_decodes_natively_as_float32_does_with_its_weights(
+    make_engine: EngineFactory, lively: Checkpoint
+) -> None:
+    """dtype bfloat16 on CPU runs on the native step (bf16 weights and cache, float32 arithmetic):
+    its greedy tokens are those of the float32 engine given the same bf16-rounded weights (the
+    cache's rounding is the only difference, too small to move these sharp argmaxes)."""
+    rounded = dataclasses.replace(
+        lively, state_dict={k: v.to(torch.bfloat16).float() for k, v in lively.state_dict.items()}
+    )
+    low = make_engine(max_seqs=4, dtype="bfloat16")
+    full = make_engine(rounded, max_seqs=4)
+    assert low.info()["native_step"] is True and low.info()["dtype"] == "bfloat16"
+    assert low.runner.cache.layers[0].k.dtype == torch.bfloat16  # type: ignore[union-attr]
+    for prompt in ("hello wor", "The quick brown", "~~ 42 ~~"):
+        want = token_ids(await collect(full, prompt, max_new_tokens=40, temperature=0.0))
+        got = token_ids(await collect(low, prompt, max_new_tokens=40, temperature=0.0))
+        assert got == want
