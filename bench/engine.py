@@ -9,8 +9,9 @@ For each model shape (random GPT-2-architecture weights) and dtype, on the same 
   (d) llama.cpp through llama-cpp-python on a GGUF conversion (skipped when not installed),
 plus the machine's limits measured in the same run: memory read bandwidth (-> tokens/s when every
 decode step reads all weights once, the batch-1 bound) and matmul throughput (-> tokens/s when
-matmul FLOPs are the bound, large batches). Prints ratios to this engine and writes
-bench/results/engine.json and engine.md. Not a test: nothing here asserts a speed.
+matmul FLOPs are the bound, large batches; for bfloat16 the faster of its rate and float32's).
+Prints ratios to this engine and writes bench/results/engine.json and engine.md. Not a test:
+nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -200,14 +201,23 @@ def measure_limits(dtype: torch.dtype) -> dict[str, float]:
         buf.sum()
         best_bw = max(best_bw, buf.nbytes / (time.perf_counter() - t0))
     del buf
-    n = 2048
+    rates = {str(d).removeprefix("torch."): _matmul_flops(d) for d in dict.fromkeys([dtype, torch.float32])}
+    # A CPU without bf16 arithmetic (AVX2) still multiplies bf16 weights at its float32 rate by
+    # widening them as they load (the native step does; torch's emulated bf16 matmul is ~100x
+    # slower), so the compute limit for a dtype is the faster of its own rate and float32's.
+    return {"bandwidth_GBps": best_bw / 1e9, "matmul_GFLOPs": max(rates.values()) / 1e9,
+            **{f"matmul_GFLOPs_{name}": r / 1e9 for name, r in rates.items()}}
+
+
+def _matmul_flops(dtype: torch.dtype) -> float:
+    n = 2048 if dtype == torch.float32 else 512  # emulated bf16 takes ~1 s per 2048^3 product
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     best_flops = 0.0
     for _ in range(5):
         t0 = time.perf_counter()
         a @ b
         best_flops = max(best_flops, 2 * n**3 / (time.perf_counter() - t0))
-    return {"bandwidth_GBps": best_bw / 1e9, "matmul_GFLOPs": best_flops / 1e9}
+    return best_flops
 
 
 def model_costs(cfg: GPTConfig, dtype: torch.dtype) -> tuple[float, float]:
@@ -253,7 +263,8 @@ def run_shape(shape: str, dtype: str, concs: list[int], args: argparse.Namespace
                 hf_runs.append(peers["hf"].call("run", conc, new))
             res.runs.append(max(eng_runs, key=lambda r: r.tps))
             naive_new = new if shape == "10.7M" or conc <= 8 else max(2, new // 4)
-            res.runs.append(peers["naive"].call("run", conc, naive_new))
+            if not args.no_naive:
+                res.runs.append(peers["naive"].call("run", conc, naive_new))
             res.runs.append(max(hf_runs, key=lambda r: r.tps))
             llama = peers["llama.cpp"].call("run", conc, new)  # None: not installed
             if llama is not None:
@@ -292,6 +303,11 @@ def table(results: list[ShapeResult]) -> str:
     return "\n".join(lines)
 
 
+def _rates(limits: dict[str, float]) -> str:
+    return ", ".join(f"{k.removeprefix('matmul_GFLOPs_')} {v:.1f}" for k, v in limits.items()
+                     if k.startswith("matmul_GFLOPs_"))
+
+
 def machine() -> dict[str, Any]:
     cpu = "unknown"
     try:
@@ -315,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default=str(RESULTS / "engine"))
     ap.add_argument("--repeats", type=int, default=2, help="alternating engine/HF runs, best kept")
+    ap.add_argument("--no-naive", action="store_true",
+                    help="skip the naive loop (bf16 on a CPU without bf16 arithmetic: minutes per cell)")
     ap.add_argument("--levers", action="store_true", help="also measure each engine lever off/on")
     ap.add_argument("--crop", action="store_true", help="also measure shift vs sliding past the window")
     args = ap.parse_args(argv)
@@ -347,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{meta['load_before']} / {meta['load_after']}.\n\n")
     limits = "\n".join(
         f"- {r.shape} {r.dtype}: {r.limits['bandwidth_GBps']:.1f} GB/s read -> batch-1 bound "
-        f"{r.limits['bound_tps_batch1']:.0f} tok/s; {r.limits['matmul_GFLOPs']:.0f} GFLOP/s matmul -> "
-        f"compute bound {r.limits['bound_tps_compute']:.0f} tok/s" for r in results)
+        f"{r.limits['bound_tps_batch1']:.0f} tok/s; {r.limits['matmul_GFLOPs']:.0f} GFLOP/s matmul "
+        f"({_rates(r.limits)}) -> compute bound {r.limits['bound_tps_compute']:.0f} tok/s" for r in results)
     out.with_suffix(".md").write_text(header + md + "\n\nMeasured limits (same run):\n" + limits + "\n")
     return 0
 

@@ -123,8 +123,9 @@ def capture_weights(model: GPT) -> list[torch.Tensor | None]:
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.ns_create.restype = ctypes.c_void_p
-    lib.ns_create.argtypes = [*[ctypes.c_int] * 8, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                              ctypes.c_void_p]
+    lib.ns_create.argtypes = [
+        *[ctypes.c_int] * 8, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p
+    ]
     lib.ns_step.restype = None
     ptr, num = ctypes.c_void_p, ctypes.c_int
     lib.ns_step.argtypes = [ptr, num, ptr, ptr, ptr, num, ptr, ptr, num]
@@ -157,9 +158,12 @@ class NativeStep:
             tensors += weights[2 + i * _WEIGHTS_PER_LAYER : 2 + (i + 1) * _WEIGHTS_PER_LAYER]
             tensors += [layer.k, layer.v]
         tensors += weights[2 + len(caches) * _WEIGHTS_PER_LAYER :]
-        wdtype, kvdtype = model.wte.weight.dtype, cache.layers[0].k.dtype
+        wdtype: torch.dtype = model.wte.weight.dtype
+        kvdtype: torch.dtype = caches[0].k.dtype
         if wdtype not in _TYPES or kvdtype not in _TYPES:
-            raise ValueError(f"the native step runs float32 and bfloat16, not {wdtype} weights / {kvdtype} cache")
+            raise ValueError(
+                f"the native step runs float32 and bfloat16, not {wdtype} weights / {kvdtype} cache"
+            )
         for t in tensors:
             plain = t is None or (t.dtype in (torch.float32, wdtype, kvdtype) and t.device.type == "cpu"
                                   and t.is_contiguous())

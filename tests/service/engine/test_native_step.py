@@ -51,7 +51,9 @@ def _bf16_pair(model: GPT) -> tuple[GPT, GPT]:
     return low, copy.deepcopy(low).float()
 
 
-def _prefilled(model: GPT, slots: int, lengths: dict[int, int], dtype: torch.dtype = torch.float32) -> SpanKVCache:
+def _prefilled(
+    model: GPT, slots: int, lengths: dict[int, int], dtype: torch.dtype = torch.float32
+) -> SpanKVCache:
     """A cache of `dtype` with slot s prefilled by `model` for lengths[s] positions."""
     cfg = model.config
     cache = SpanKVCache(cfg.n_layer, slots, cfg.n_head, cfg.block_size, cfg.head_dim, dtype, "cpu")
@@ -141,7 +143,9 @@ def test_prompt_chunks_and_decode_rows_in_one_call_match_the_model(shape: str, d
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @torch.no_grad()
-def test_a_row_gets_the_same_bits_alone_batched_and_on_any_thread_count(shape: str, dtype: torch.dtype) -> None:
+def test_a_row_gets_the_same_bits_alone_batched_and_on_any_thread_count(
+    shape: str, dtype: torch.dtype
+) -> None:
     model = _model(SHAPES[shape]).to(dtype)
     lengths = {0: 7, 1: 12, 2: 3, 3: 20}
     results = []

@@ -23,6 +23,8 @@ from model.sampling import (
     top_p_mask,
     typical_mask,
 )
+from service.engine.request import Request
+from service.engine.types import SamplingParams
 from tests.service.engine.conftest import EngineFactory, collect, token_ids
 
 NEG = float("-inf")
@@ -209,3 +211,34 @@ async def test_logprobs_alone_vs_batched(make_engine: EngineFactory, determinist
         assert a == b
     else:
         assert a == pytest.approx(b, abs=1e-4)
+
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+async def test_the_runner_flags_rows_with_no_usable_distribution(
+    make_engine: EngineFactory, lively: Checkpoint, temperature: float
+) -> None:
+    """NaN anywhere, a +inf, or nothing above -inf: flagged; masked (-inf) entries beside finite
+    ones are ordinary, and a greedy row takes the first of tied maxima (argmax's rule)."""
+    runner = make_engine(max_seqs=6).runner
+    vocab = runner.usable_vocab
+    logits = torch.zeros(6, runner.vocab)
+    logits[:, 3] = logits[:, 9] = 2.0  # a tie: the first index wins
+    logits[1, :3] = logits[1, 10:] = NEG  # only tokens 3..9 possible
+    logits[2, 5] = float("nan")
+    logits[3, 7] = float("inf")
+    logits[4, :vocab] = NEG
+    logits[5, 0] = NEG
+    reqs = []
+    for slot in range(6):
+        params = SamplingParams(temperature=temperature)
+        loop = asyncio.get_running_loop()
+        req = Request("r", [1], params, slot, 0, lively.tokenizer, loop, asyncio.Queue())
+        req.slot = slot
+        reqs.append(req)
+    result = runner.sample(reqs, logits)
+    assert result.finite == [True, True, False, False, False, True]
+    if temperature == 0.0:
+        assert [result.tokens[i] for i in (0, 1, 5)] == [3, 3, 3]
+    else:
+        assert 3 <= result.tokens[1] < 10 and result.tokens[5] != 0
