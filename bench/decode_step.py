@@ -8,12 +8,15 @@ as the engine runs it) and the native step. Prefill: one prompt of that many tok
 0, through `GPT.forward` (packed linears, last position's logits) and the native step (last row's
 logits). Variants alternate in one process; each runs `--steps` forwards per round, `--rounds`
 rounds, median per round, best round kept. Also prints the GB/s of weights a batch-1 step implies.
-Writes bench/results/decode-step.md. Not a test: nothing here asserts a speed.
+Writes bench/results/decode-step.md. With --dtypes instead: the native step with float32 or bfloat16
+weights and KV cache, decode rows at --positions (bench/results/decode-step-dtypes.md). Not a
+test: nothing here asserts a speed.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -109,6 +112,42 @@ def bench_shape(shape: str, rows_list: list[int], prefills: list[int], steps: in
     return lines
 
 
+VARIANTS = {  # (weights, KV cache) dtypes of the native step
+    "float32 / float32": (torch.float32, torch.float32),
+    "float32 / bfloat16 KV": (torch.float32, torch.bfloat16),
+    "bfloat16 / bfloat16": (torch.bfloat16, torch.bfloat16),
+}
+
+
+@torch.inference_mode()
+def bench_dtypes(
+    shape: str, rows_list: list[int], positions: list[int], steps: int, rounds: int
+) -> list[str]:
+    """The native step with float32 or bfloat16 weights and KV cache, decode rows at each position."""
+    cfg = GPTConfig(**SHAPES[shape])
+    torch.manual_seed(0)
+    base = GPT(cfg).eval()
+    slots = max(rows_list)
+    steppers = {}
+    for name, (wdtype, kvdtype) in VARIANTS.items():
+        cache = SpanKVCache(cfg.n_layer, slots, cfg.n_head, cfg.block_size, cfg.head_dim, kvdtype, "cpu")
+        for layer in cache.layers:  # any values: only the bytes read matter here
+            layer.k.normal_(), layer.v.normal_()  # type: ignore[union-attr]
+        model = copy.deepcopy(base).to(wdtype)
+        steppers[name] = NativeStep(model, cache, max_threads=torch.get_num_threads())
+    lines = []
+    for rows in rows_list:
+        for position in positions:
+            toks, pos, slot = [1] * rows, [position] * rows, list(range(rows))
+            fns = {name: (lambda st=st: st(toks, pos, slot)) for name, st in steppers.items()}  # noqa: B023
+            best = _best(fns, steps, rounds)  # type: ignore[arg-type]
+            first = best[next(iter(VARIANTS))]
+            for name, t in best.items():
+                lines.append(f"| {shape} | {rows} | {position} | {name} | {t * 1e3:.2f} | {first / t:.2f} |")
+                print(lines[-1], flush=True)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="10.7M,124M")
@@ -118,7 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(RESULTS / "decode-step.md"))
+    ap.add_argument("--dtypes", action="store_true",
+                    help="instead: the native step with float32/bfloat16 weights and KV cache")
+    ap.add_argument("--positions", default="40,200", help="with --dtypes: decode positions")
     args = ap.parse_args(argv)
+    if args.dtypes:
+        return main_dtypes(args)
     torch.set_num_threads(args.threads)
     m = machine()
     header = [
@@ -140,6 +184,31 @@ def main(argv: list[str] | None = None) -> int:
         lines += bench_shape(shape, rows, prefills, steps, args.rounds)
     Path(args.out).write_text("\n".join(header + lines) + "\n")
     print(f"wrote {args.out}")
+    return 0
+
+
+def main_dtypes(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    m = machine()
+    header = [
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {torch.__version__}, {args.threads} threads; "
+        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}. The native step's decode forward by "
+        f"weight / KV cache dtype; median of {args.steps} forwards per round, best of {args.rounds} "
+        "alternating rounds.",
+        "",
+        "| model | rows | position | weights / cache | ms | speed vs float32 / float32 |",
+        "|---|---|---|---|---|---|",
+    ]
+    print("\n".join(header), flush=True)
+    lines = []
+    for shape in args.shapes.split(","):
+        steps = args.steps if shape == "10.7M" else max(5, args.steps // 4)
+        window = SHAPES[shape]["block_size"]
+        positions = [p for p in (int(x) for x in args.positions.split(",")) if p < window]
+        lines += bench_dtypes(shape, [int(r) for r in args.rows.split(",")], positions, steps, args.rounds)
+    out = args.out if args.out != str(RESULTS / "decode-step.md") else str(RESULTS / "decode-step-dtypes.md")
+    Path(out).write_text("\n".join(header + lines) + "\n")
+    print(f"wrote {out}")
     return 0
 
 

@@ -9,6 +9,7 @@ LEVERS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     # (name, EngineConfig overrides, SamplingParams overrides)
     ("no native step (oneDNN packed linears)", {"native_step": False}, {}),
     ("no native step, no oneDNN packing", {"native_step": False, "packed_linear": False}, {}),
+    ("KV cache bfloat16", {"kv_cache_dtype": "bfloat16"}, {}),
     ("deterministic=True", {"deterministic": True}, {}),
     ("sample top_k=40 top_p=0.95", {}, {"temperature": 1.0, "top_k": 40, "top_p": 0.95}),
     ("sample top_p=0.95 (full sort)", {}, {"temperature": 1.0, "top_p": 0.95}),

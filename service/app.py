@@ -60,6 +60,7 @@ def engine_config(settings: Settings) -> EngineConfig:
     return EngineConfig(
         device=settings.device,
         dtype=settings.dtype,
+        kv_cache_dtype=settings.kv_cache_dtype,
         max_seqs=settings.max_seqs,
         max_queue=settings.max_queue,
         prefill_budget=settings.prefill_budget,

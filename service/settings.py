@@ -41,6 +41,11 @@ class Settings(BaseSettings):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         default="float32", description="float32|bfloat16|float16 (float16 on a GPU only)."
     )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="KV cache element type: auto (the model's dtype), float32, bfloat16 (half the "
+        "memory; keys and values rounded to bf16), float16 (GPU only).",
+    )
     host: str = Field(default="127.0.0.1", min_length=1, description="Address to listen on.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")
 

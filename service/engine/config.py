@@ -15,6 +15,10 @@ CROP_POLICIES = ("shift", "sliding")
 class EngineConfig:
     device: str = "auto"  # auto|cpu|cuda
     dtype: str = "float32"  # float32|bfloat16|float16 (fp16 GPU only)
+    # The KV cache's element type: "auto" (the model's dtype), float32, bfloat16 or float16 (GPU).
+    # bfloat16 halves the cache (twice the slots in the same memory) and what a decode step reads
+    # attending; keys and values then carry bf16 rounding (the weights keep their dtype).
+    kv_cache_dtype: str = "auto"
     max_seqs: int = 16  # KV slots = max concurrent running sequences
     max_queue: int = 64  # waiting requests beyond which generate() raises Overloaded
     prefill_budget: int = 256  # prompt tokens prefilled per step (chunked prefill)
@@ -50,6 +54,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.dtype == "float16" and self.resolved_device() == "cpu":
             raise ValueError("dtype float16 is only supported on a GPU; use bfloat16 or float32 on CPU")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be auto or one of {', '.join(_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype == "float16" and self.resolved_device() == "cpu":
+            raise ValueError("kv_cache_dtype float16 is only supported on a GPU; use bfloat16 on CPU")
         for name in ("max_seqs", "max_queue", "prefill_budget", "idle_prefill_budget"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -78,6 +88,10 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else _DTYPES[self.kv_cache_dtype]
 
     def window_for(self, block_size: int) -> int:
         return min(block_size, self.max_context or block_size)

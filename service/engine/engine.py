@@ -83,6 +83,7 @@ class Engine:
             cpu_threads=config.cpu_threads or default_cpu_threads(),
             # The native step's capacity: the largest step this engine runs (0: torch runs them).
             native_max_rows=max(config.max_seqs, config.prefill_budget, config.idle_prefill_budget) * native,
+            kv_dtype=config.torch_kv_dtype,
         )
         if config.compile:
             # Shapes vary with batch size, chunk length and attention span: compile dynamically.
@@ -109,7 +110,7 @@ class Engine:
 
     def _native_step_off(self, config: EngineConfig) -> str | None:
         """Why forwards will not run on the native step (None: they will); logged once."""
-        reason = native_unavailable(torch.device(self.device), config.torch_dtype)
+        reason = native_unavailable(torch.device(self.device), config.torch_dtype, config.torch_kv_dtype)
         if not config.native_step:
             reason = "native_step is off"
         elif config.compile:
@@ -254,6 +255,7 @@ class Engine:
             "window": self.window,
             "device": self.device,
             "dtype": self.config.dtype,
+            "kv_cache_dtype": str(self.runner.cache.layers[0].k.dtype).removeprefix("torch."),
             "dtype_matmul_slowdown_vs_float32": round(self.dtype_slowdown, 2),
             "max_seqs": self.config.max_seqs,
             "max_queue": self.config.max_queue,

@@ -65,12 +65,15 @@ def omp_entry_points() -> list[int] | None:
     return addresses
 
 
-def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+def unavailable_reason(
+    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+) -> str | None:
     """Why the native step cannot run here, or None when it can."""
     if device.type != "cpu":
         return f"device is {device.type} (the native step is CPU-only)"
-    if dtype not in _TYPES:
-        return f"dtype is {dtype} (the native step runs float32 and bfloat16)"
+    for what, d in (("dtype", dtype), ("KV cache dtype", kv_dtype or dtype)):
+        if d not in _TYPES:
+            return f"{what} is {d} (the native step runs float32 and bfloat16)"
     if library_path() is None:
         return "service/engine/native/decode.c is not built (pip install builds it; needs a C compiler)"
     return None

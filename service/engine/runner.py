@@ -51,14 +51,13 @@ class SampleResult:
 class ModelRunner:
     def __init__(
         self, model: GPT, slots: int, window: int, usable_vocab: int, deterministic: bool = False,
-        cpu_threads: int = 1, native_max_rows: int = 0,
+        cpu_threads: int = 1, native_max_rows: int = 0, kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.device = model.wte.weight.device
         cfg = model.config
-        self.cache = SpanKVCache(
-            cfg.n_layer, slots, cfg.n_head, window, cfg.head_dim, model.wte.weight.dtype, self.device
-        )
+        kv_dtype = kv_dtype or model.wte.weight.dtype
+        self.cache = SpanKVCache(cfg.n_layer, slots, cfg.n_head, window, cfg.head_dim, kv_dtype, self.device)
         # Decode steps (one token per row) skip the general forward (decode_step.py); None
         # when the model is compiled, so the compiled graph runs every step.
         self.decode_step: DecodeStep | None = DecodeStep(model, self.cache)

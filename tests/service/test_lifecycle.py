@@ -120,6 +120,8 @@ def test_corrupt_checkpoint_exits_with_one_line_before_the_port_opens(tiny_check
         (["--checkpoint", "{tmp}/nope"], {}, ["{tmp}/nope", "not found"]),
         (["--max-seqs", "0"], {"NANOSERVE_API_KEYS": "short"}, ["max_seqs", "api_keys"]),
         (["--dtype", "float16", "--device", "cpu"], {}, ["float16", "GPU"]),
+        (["--kv-cache-dtype", "float16", "--device", "cpu"], {}, ["kv_cache_dtype float16", "GPU"]),
+        (["--kv-cache-dtype", "int8"], {}, ["kv_cache_dtype", "int8"]),
         (["--log-format", "xml"], {}, ["log_format", "xml"]),
     ],
 )

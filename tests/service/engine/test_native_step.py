@@ -233,3 +233,22 @@ async def test_a_bfloat16_engine_decodes_natively_as_float32_does_with_its_weigh
         want = token_ids(await collect(full, prompt, max_new_tokens=40, temperature=0.0))
         got = token_ids(await collect(low, prompt, max_new_tokens=40, temperature=0.0))
         assert got == want
+
+
+async def test_a_bfloat16_kv_cache_halves_the_cache_and_both_paths_agree(
+    make_engine: EngineFactory,
+) -> None:
+    """kv_cache_dtype=bfloat16 under float32 weights: half the cache bytes; the native step and
+    torch's kernels (which widen the cache) give the same greedy tokens from it."""
+    full = make_engine(max_seqs=4)
+    native = make_engine(max_seqs=4, kv_cache_dtype="bfloat16")
+    plain = make_engine(max_seqs=4, kv_cache_dtype="bfloat16", native_step=False)
+    assert native.info()["native_step"] is True and plain.info()["native_step"] is False
+    for engine in (native, plain):
+        assert engine.info()["kv_cache_dtype"] == "bfloat16"
+        assert engine.info()["kv_cache_bytes"] * 2 == full.info()["kv_cache_bytes"]
+    assert full.info()["kv_cache_dtype"] == "float32"
+    for prompt in ("hello wor", "The quick brown", "~~ 42 ~~"):
+        want = token_ids(await collect(plain, prompt, max_new_tokens=40, temperature=0.0))
+        got = token_ids(await collect(native, prompt, max_new_tokens=40, temperature=0.0))
+        assert got == want
