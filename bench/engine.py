@@ -256,19 +256,21 @@ def run_shape(shape: str, dtype: str, concs: list[int], args: argparse.Namespace
         res.limits["bound_tps_compute"] = res.limits["matmul_GFLOPs"] * 1e9 / flops_per_token
         for conc in concs:
             print(f"[{shape} {dtype}] concurrency {conc}  (load {load_avg()})", flush=True)
-            # Shared, noisy machines: the engine and HF alternate `repeats` times, best run kept.
-            eng_runs, hf_runs = [], []
-            for _ in range(args.repeats):
+            # Shared, noisy machines: the engine, HF and llama.cpp take turns `repeats` times, each
+            # one's best run kept (llama.cpp ran once until session 7: its ratio rode on one draw).
+            eng_runs, hf_runs, llama_runs = [], [], []
+            for i in range(args.repeats):
                 eng_runs.append(peers["engine"].call("run", conc, new))
-                hf_runs.append(peers["hf"].call("run", conc, new))
+                if i < (args.hf_repeats or args.repeats):
+                    hf_runs.append(peers["hf"].call("run", conc, new))
+                llama_runs.append(peers["llama.cpp"].call("run", conc, new))  # None: not installed
             res.runs.append(max(eng_runs, key=lambda r: r.tps))
             naive_new = new if shape == "10.7M" or conc <= 8 else max(2, new // 4)
             if not args.no_naive:
                 res.runs.append(peers["naive"].call("run", conc, naive_new))
             res.runs.append(max(hf_runs, key=lambda r: r.tps))
-            llama = peers["llama.cpp"].call("run", conc, new)  # None: not installed
-            if llama is not None:
-                res.runs.append(llama)
+            if llama_runs[0] is not None:
+                res.runs.append(max(llama_runs, key=lambda r: r.tps))
             if args.levers and conc in (1, 32):
                 res.runs.extend(peers["engine"].call("run", conc, new, c, p, n) for n, c, p in LEVERS)
             for r in res.runs:
@@ -331,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default=str(RESULTS / "engine"))
     ap.add_argument("--repeats", type=int, default=2, help="alternating engine/HF runs, best kept")
+    ap.add_argument("--hf-repeats", type=int, default=0,
+                    help="HF runs per cell if fewer than --repeats (bf16 HF on AVX2: minutes per run)")
     ap.add_argument("--no-naive", action="store_true",
                     help="skip the naive loop (bf16 on a CPU without bf16 arithmetic: minutes per cell)")
     ap.add_argument("--levers", action="store_true", help="also measure each engine lever off/on")
