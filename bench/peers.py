@@ -87,6 +87,8 @@ def _worker(conn: Connection, peer: str, shape: str, dtype: str, threads: int, p
 def _handle(request: tuple[Any, ...], peer: str, ckpt: Any, prompts: list[list[int]], threads: int,
             state: dict[str, Any], bench: Any) -> Any:
     kind, *args = request
+    if kind == "ready":  # answered once this process has built its model and prompts
+        return True
     if kind == "limits":
         return bench.measure_limits(bench.DTYPES[ckpt.dtype])
     conc, new, *extra = args

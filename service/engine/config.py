@@ -39,7 +39,7 @@ class EngineConfig:
     # CPU: run linear layers through oneDNN with weights reordered once (see packed_linear.py),
     # where torch runs the forwards (the native step off or unavailable).
     packed_linear: bool = True
-    # CPU float32: every forward (decode rows and prompt chunks) as one native call (see
+    # CPU float32 and bfloat16: every forward (decode rows and prompt chunks) as one native call (see
     # native_step.py); off, or where it cannot run, forwards go through torch's kernels.
     native_step: bool = True
     # TEST-ONLY hook for exercising fault isolation in a running server. "nan:<marker>": rows

@@ -1,13 +1,14 @@
-/* One forward step of a GPT-2 decoder over token rows, float32 on CPU, in one call: decode steps
- * and small prompt chunks (service/engine/native_step.py decides which).
+/* One forward step of a GPT-2 decoder over token rows on CPU, in one call: decode rows and prompt
+ * chunks (service/engine/native_step.py). Weights and KV cache in float32 or bfloat16; arithmetic
+ * in float32.
  *
  * Why this exists (measured on the 2-core AVX2 EPYC, see docs/engine.md): at batch 1 a decode step
  * streams every weight once, so it is bound by memory bandwidth, yet through torch it ran at 5-7
  * GB/s against 25-30 GB/s a plain two-thread read reaches: ~25 library calls per step, each its own
  * parallel region, each handing its weight to the threads in its own way, plus the ops between
- * them. Here the whole step is one OpenMP parallel region, each thread streams its own contiguous
- * slice of every weight, and the threads meet at a barrier only where the next phase reads what
- * another thread wrote.
+ * them. Here the whole step is one OpenMP parallel region, each thread streams long contiguous
+ * chunks of every weight (claimed from a shared counter, see claim), and the threads meet at a
+ * barrier only where the next phase reads what another thread wrote.
  *
  * Threads: the region runs on the calling thread's OpenMP team through libgomp's own entry points
  * (GOMP_parallel, GOMP_barrier), handed in by the caller from the libgomp torch already loaded. So
@@ -189,8 +190,8 @@ static void gelu(const Model *m, float *x, int n) {
 /* Weights come packed in panels of PANEL output features (native_step.py, `pack_panels`): panel p
  * holds W[p * PANEL + j][k] at [p][k][j], zero-padded past `out`. One vector load then gives 8
  * features' weights for one input k, and each input element is broadcast against them: no
- * horizontal sums, any batch size shares each loaded weight, and a thread's slice of a weight is
- * one contiguous stream. Every output is summed over k in order, one fused multiply-add at a
+ * horizontal sums, any batch size shares each loaded weight, and a chunk of panels is one
+ * contiguous stream. Every output is summed over k in order, one fused multiply-add at a
  * time, whatever the number of rows: a row's result never depends on the rows beside it.
  * bfloat16 panels interleave the two halves of a panel, [p][k][j][h] = W[p * PANEL + 8 h + j][k]
  * (j < 8), so one 32-byte load widens to both halves' vectors with a shift and a mask. */
