@@ -156,23 +156,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=str(RESULTS / "decode-step.md"))
+    ap.add_argument("--out", default=None, help="default: bench/results/decode-step[-dtypes].md")
     ap.add_argument("--dtypes", action="store_true",
                     help="instead: the native step with float32/bfloat16 weights and KV cache")
     ap.add_argument("--positions", default="40,200", help="with --dtypes: decode positions")
     args = ap.parse_args(argv)
-    if args.dtypes:
-        return main_dtypes(args)
     torch.set_num_threads(args.threads)
+    if args.dtypes:
+        what = "The native step's decode forward by weight / KV cache dtype"
+        columns = ["| model | rows | position | weights / cache | ms | speed vs float32 / float32 |",
+                   "|---|---|---|---|---|---|"]
+    else:
+        what = f"Every row at position {POSITION}"
+        columns = ["| model | forward | torch ms | native ms | torch / native | native tok/s "
+                   "| native GB/s (batch 1) |", "|---|---|---|---|---|---|---|"]
     m = machine()
     header = [
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {torch.__version__}, {args.threads} threads; "
-        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}. Every row at position {POSITION}; "
-        f"median of {args.steps} forwards per round, best of {args.rounds} alternating rounds.",
+        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}. {what}; median of {args.steps} "
+        f"forwards per round, best of {args.rounds} alternating rounds.",
         "",
-        "| model | forward | torch ms | native ms | torch / native | native tok/s "
-        "| native GB/s (batch 1) |",
-        "|---|---|---|---|---|---|---|",
+        *columns,
     ]
     print("\n".join(header), flush=True)
     lines = []
@@ -180,33 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         steps = args.steps if shape == "10.7M" else max(5, args.steps // 4)
         window = SHAPES[shape]["block_size"]
-        prefills = [int(n) for n in args.prefill.split(",") if n and int(n) <= window]
-        lines += bench_shape(shape, rows, prefills, steps, args.rounds)
-    Path(args.out).write_text("\n".join(header + lines) + "\n")
-    print(f"wrote {args.out}")
-    return 0
-
-
-def main_dtypes(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
-    m = machine()
-    header = [
-        f"Machine: {m['cpu']}, {m['cores']} cores, torch {torch.__version__}, {args.threads} threads; "
-        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}. The native step's decode forward by "
-        f"weight / KV cache dtype; median of {args.steps} forwards per round, best of {args.rounds} "
-        "alternating rounds.",
-        "",
-        "| model | rows | position | weights / cache | ms | speed vs float32 / float32 |",
-        "|---|---|---|---|---|---|",
-    ]
-    print("\n".join(header), flush=True)
-    lines = []
-    for shape in args.shapes.split(","):
-        steps = args.steps if shape == "10.7M" else max(5, args.steps // 4)
-        window = SHAPES[shape]["block_size"]
-        positions = [p for p in (int(x) for x in args.positions.split(",")) if p < window]
-        lines += bench_dtypes(shape, [int(r) for r in args.rows.split(",")], positions, steps, args.rounds)
-    out = args.out if args.out != str(RESULTS / "decode-step.md") else str(RESULTS / "decode-step-dtypes.md")
+        if args.dtypes:
+            positions = [p for p in (int(x) for x in args.positions.split(",")) if p < window]
+            lines += bench_dtypes(shape, rows, positions, steps, args.rounds)
+        else:
+            prefills = [int(n) for n in args.prefill.split(",") if n and int(n) <= window]
+            lines += bench_shape(shape, rows, prefills, steps, args.rounds)
+    out = args.out or str(RESULTS / ("decode-step-dtypes.md" if args.dtypes else "decode-step.md"))
     Path(out).write_text("\n".join(header + lines) + "\n")
     print(f"wrote {out}")
     return 0

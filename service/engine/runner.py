@@ -61,7 +61,7 @@ class ModelRunner:
         # Decode steps (one token per row) skip the general forward (decode_step.py); None
         # when the model is compiled, so the compiled graph runs every step.
         self.decode_step: DecodeStep | None = DecodeStep(model, self.cache)
-        # With native_max_rows > 0 (CPU, float32) every forward of up to that many tokens (decode
+        # With native_max_rows > 0 (CPU, float32 or bfloat16) every forward of up to that many tokens (decode
         # rows and prompt chunks alike; the engine sizes it to its largest step) is one native
         # call instead (native_step.py). Rows are computed independently there, so batched and
         # alone give the same bits and deterministic mode may batch them too.

@@ -66,7 +66,7 @@ typedef struct {
      * for steps of few rows, where every thread normalises the whole residual itself instead of
      * waiting at a barrier; hn holds the normalised rows of larger steps (see normalise). */
     float *x, *qkv, *y, *f, *h, *hn, *att;
-    int *next; /* PHASES(n_layer) claim counters, zeroed before each step */
+    int *next; /* per phase of a step, the next unclaimed work item (see claim); zeroed per step */
     parallel_fn parallel;
     barrier_fn barrier;
     int_fn thread_num, num_threads;
@@ -81,7 +81,6 @@ typedef struct {
     const int64_t *out; /* the rows whose logits are wanted, n_out of them */
     int n_out;
     float *logits; /* (n_out, vocab) */
-    int *next; /* per phase of the step, the next unclaimed work item (see claim) */
 } Job;
 
 /* ---------------------------------------------------------------- bfloat16
@@ -106,6 +105,8 @@ static inline uint16_t float_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
+
+static inline size_t elem_size(int type) { return type == BF16 ? sizeof(uint16_t) : sizeof(float); }
 
 /* Element i of an array of type `type`, as float32. */
 static inline float to_float(const void *p, int type, size_t i) {
@@ -261,24 +262,16 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
         }                                                                                                  \
         ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5)                       \
     }
-PANEL_KERNEL(panel1, 1, LOAD_F32)
-PANEL_KERNEL(panel2, 2, LOAD_F32)
-PANEL_KERNEL(panel3, 3, LOAD_F32)
-PANEL_KERNEL(panel4, 4, LOAD_F32)
-PANEL_KERNEL(panel5, 5, LOAD_F32)
-PANEL_KERNEL(panel6, 6, LOAD_F32)
-PANEL_KERNEL(panel1_bf16, 1, LOAD_BF16)
-PANEL_KERNEL(panel2_bf16, 2, LOAD_BF16)
-PANEL_KERNEL(panel3_bf16, 3, LOAD_BF16)
-PANEL_KERNEL(panel4_bf16, 4, LOAD_BF16)
-PANEL_KERNEL(panel5_bf16, 5, LOAD_BF16)
-PANEL_KERNEL(panel6_bf16, 6, LOAD_BF16)
+/* The kernels for 1..MAX_R rows of one weight type, panel<rows>_<type>. */
+#define PANEL_KERNELS(T, LOADW)                                                                            \
+    PANEL_KERNEL(panel1_##T, 1, LOADW) PANEL_KERNEL(panel2_##T, 2, LOADW) PANEL_KERNEL(panel3_##T, 3, LOADW) \
+    PANEL_KERNEL(panel4_##T, 4, LOADW) PANEL_KERNEL(panel5_##T, 5, LOADW) PANEL_KERNEL(panel6_##T, 6, LOADW)
+#define PANEL_TABLE(T) {panel1_##T, panel2_##T, panel3_##T, panel4_##T, panel5_##T, panel6_##T}
+PANEL_KERNELS(f32, LOAD_F32)
+PANEL_KERNELS(bf16, LOAD_BF16)
 
 typedef void (*panel_fn)(const void *wp, int in, const float *x, float *sums);
-static const panel_fn PANELS[2][MAX_R] = {
-    {panel1, panel2, panel3, panel4, panel5, panel6},
-    {panel1_bf16, panel2_bf16, panel3_bf16, panel4_bf16, panel5_bf16, panel6_bf16},
-};
+static const panel_fn PANELS[2][MAX_R] = {PANEL_TABLE(f32), PANEL_TABLE(bf16)}; /* [F32 / BF16][rows - 1] */
 #endif
 
 /* y[r][o] (+)= W[o] . x[r] + b[o] for o in [o0, o1) (o0 a multiple of PANEL), r < rows; x rows are
@@ -286,9 +279,8 @@ static const panel_fn PANELS[2][MAX_R] = {
 static void gemv(const Model *m, const Linear *l, const float *x, int rows, float *y, int ystride, int o0, int o1,
                  int accumulate) {
     float sums[MAX_R * PANEL];
-    const size_t esize = m->wt == BF16 ? sizeof(uint16_t) : sizeof(float);
     for (int o = o0; o < o1; o += PANEL) {
-        const void *wp = (const char *)l->w + (size_t)(o / PANEL) * l->in * PANEL * esize;
+        const void *wp = (const char *)l->w + (size_t)(o / PANEL) * l->in * PANEL * elem_size(m->wt);
         for (int r = 0; r < rows; r += MAX_R) {
             const int n = rows - r < MAX_R ? rows - r : MAX_R;
             const float *xr = x + (size_t)r * l->in;
@@ -311,7 +303,7 @@ static void gemv(const Model *m, const Linear *l, const float *x, int rows, floa
  * its throughput.) Which thread computes an output never changes its value: each is summed by one
  * thread, in the same order. */
 static int claim(const Job *job, int phase, int chunk) {
-    return __atomic_fetch_add(&job->next[phase], chunk, __ATOMIC_RELAXED);
+    return __atomic_fetch_add(&job->m->next[phase], chunk, __ATOMIC_RELAXED);
 }
 
 /* Items per claim: about eight claims per thread, so a late thread's work is spread finely
@@ -465,8 +457,8 @@ static void attend(const Model *m, const Layer *L, const Job *job, int r, int hd
     const int64_t pos = job->pos[r];
     const size_t base = (((size_t)job->slot[r] * m->n_head + hd) * m->window) * hs;
     const float *q = m->qkv + (size_t)r * 3 * c + hd * hs;
-    const size_t esize = m->kvt == BF16 ? sizeof(uint16_t) : sizeof(float);
-    const void *k = (const char *)L->k + base * esize, *v = (const char *)L->v + base * esize;
+    const size_t at = base * elem_size(m->kvt);
+    const void *k = (const char *)L->k + at, *v = (const char *)L->v + at;
     float *out = m->y + (size_t)r * c + hd * hs;
 #ifdef NS_X86
     if (m->avx2 && hs % 8 == 0) {
@@ -619,7 +611,7 @@ void *ns_create(int n_layer, int n_head, int n_embd, int vocab, int slots, int w
 void ns_step(void *model, int rows, const int64_t *tok, const int64_t *pos, const int64_t *slot, int n_out,
              const int64_t *out, float *logits, int threads) {
     Model *m = model;
-    Job job = {m, rows, !m->parallel || threads <= 1, tok, pos, slot, out, n_out, logits, m->next};
+    Job job = {m, rows, !m->parallel || threads <= 1, tok, pos, slot, out, n_out, logits};
     memset(m->next, 0, PHASES(m->n_layer) * sizeof(int));
     if (job.serial)
         step_thread(&job);
