@@ -280,8 +280,11 @@ class Engine:
             # This thread's own OpenMP team; the rest of the process stays at one (threads.py).
             torch.set_num_threads(self.runner.cpu_threads)
         try:
-            while self._loop_once():
-                pass
+            # One inference mode for the thread's life: the runner's entry points then skip
+            # entering it per call (runner._inference).
+            with torch.inference_mode():
+                while self._loop_once():
+                    pass
         except BaseException as e:  # a bug in the loop itself: report unhealthy, fail everyone
             self._crashed = f"{type(e).__name__}: {e}"
             log.exception("engine thread crashed")

@@ -19,8 +19,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from model.tokenizer import Tokenizer
 from service.engine.config import EngineConfig
 from service.engine.request import Request
@@ -126,7 +124,8 @@ class Scheduler:
         if not items:
             return result
         self.steps += 1
-        logits, errors = self.runner.forward(items)
+        forward = self.runner.forward(items)
+        errors = forward.errors
         done = time.perf_counter()
         for i, item in enumerate(items):
             req, n = item.req, len(item.tokens)
@@ -140,9 +139,8 @@ class Scheduler:
                 req.prefill_done_at = done
         result.batch_size = len(items)
         self.prefilled_tokens += result.prefill_tokens
-        rows = [i for i in sorted(logits) if i not in errors]
-        if rows:
-            sampled = self.runner.sample([items[i].req for i in rows], torch.stack([logits[i] for i in rows]))
+        if forward.logits is not None:
+            sampled = self.runner.sample([items[i].req for i in forward.rows], forward.logits)
             self._emit(sampled, result)
         return result
 
