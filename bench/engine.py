@@ -319,6 +319,14 @@ def _rates(limits: dict[str, float]) -> str:
                      if k.startswith("matmul_GFLOPs_"))
 
 
+def write_results(out: str | Path, payload: dict[str, Any], md: str) -> None:
+    """A benchmark's results: `out`.json (everything measured) and `out`.md (its table)."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+    path.with_suffix(".md").write_text(md)
+
+
 def machine() -> dict[str, Any]:
     cpu = "unknown"
     try:
@@ -367,12 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         md += "\n\nCropping past the window (10.7M, float32):\n\n" + crop_table(crop_runs())
     print(md)
     meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"meta": meta, "results": [
         {"shape": r.shape, "dtype": r.dtype, "params": r.params, "limits": r.limits,
          "runs": [{**vars(x), "tps": x.tps} for x in r.runs]} for r in results]}
-    out.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
     header = (f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
               f"{meta['machine']['torch']}, {args.threads} threads; {meta['utc']}; load before/after "
               f"{meta['load_before']} / {meta['load_after']}.\n\n")
@@ -380,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- {r.shape} {r.dtype}: {r.limits['bandwidth_GBps']:.1f} GB/s read -> batch-1 bound "
         f"{r.limits['bound_tps_batch1']:.0f} tok/s; {r.limits['matmul_GFLOPs']:.0f} GFLOP/s matmul "
         f"({_rates(r.limits)}) -> compute bound {r.limits['bound_tps_compute']:.0f} tok/s" for r in results)
-    out.with_suffix(".md").write_text(header + md + "\n\nMeasured limits (same run):\n" + limits + "\n")
+    write_results(args.out, payload, header + md + "\n\nMeasured limits (same run):\n" + limits + "\n")
     return 0
 
 

@@ -16,7 +16,6 @@ in the second. Writes bench/results/interference.json and .md. Not a test: nothi
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import threading
@@ -26,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine import load_avg, machine
+from bench.engine import load_avg, machine, write_results
 from bench.serving import in_process
 from service.engine.threads import single_threaded_elsewhere
 
@@ -98,10 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         + "\n"
     )
     print(md)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=2) + "\n")
-    out.with_suffix(".md").write_text(md)
+    write_results(args.out, {"meta": meta, "runs": runs}, md)
     return 0
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine import load_avg, machine
+from bench.engine import load_avg, machine, write_results
 from bench.load import LoadConfig, percentiles, run_load, run_loop
 from service.engine.threads import single_threaded_elsewhere
 from service.heap import freeze_startup_heap
@@ -158,11 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         f"generator (same machine) used {best['http']['client_cpu_share']:.0%} of one core while it ran.\n"
     )
     print(md)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"meta": meta, "runs": runs, "ratio": ratio, "run_ratios": pairs}
-    out.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
-    out.with_suffix(".md").write_text(md)
+    write_results(args.out, {"meta": meta, "runs": runs, "ratio": ratio, "run_ratios": pairs}, md)
     return 0
 
 

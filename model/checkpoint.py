@@ -62,7 +62,7 @@ class Checkpoint:
     ) -> GPT:
         """An eval-mode GPT holding these weights on `device` (optionally cast to `dtype`)."""
         with torch.device("meta"):
-            model = GPT(self.config)
+            model = GPT(self.config, init_weights=False)
         model.load_state_dict(self.state_dict, strict=False, assign=True)
         model.lm_head.weight = model.wte.weight  # re-tie after `assign` replaced wte.weight
         # Buffers-free model: every parameter came from the file, so nothing stays on "meta".
@@ -73,7 +73,7 @@ class Checkpoint:
 def expected_tensors(config: GPTConfig) -> dict[str, tuple[tuple[int, ...], None]]:
     """Names and shapes the file must contain for `config`, computed without allocating weights."""
     with torch.device("meta"):
-        model = GPT(config)
+        model = GPT(config, init_weights=False)
     return {
         name: (tuple(t.shape), None) for name, t in model.state_dict().items() if name not in TIED
     }

@@ -131,11 +131,18 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, init_weights: bool = True) -> None:
+        """init_weights=False leaves the weights uninitialised, for a model whose weights are
+        loaded next (built on the meta device): meta's `normal_` is a Python decomposition whose
+        first call imports ~800 modules (sympy, torch._refs), 74 MB resident in every server."""
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        # An embedding given its weight skips its own normal_ init.
+        def table(n: int) -> torch.Tensor | None:
+            return None if init_weights else torch.empty(n, config.n_embd)
+
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd, _weight=table(config.vocab_size))
+        self.wpe = nn.Embedding(config.block_size, config.n_embd, _weight=table(config.block_size))
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
@@ -143,6 +150,8 @@ class GPT(nn.Module):
         # Weight tying: the output projection reuses the token embedding (GPT-2; fewer parameters,
         # and it regularises small models).
         self.lm_head.weight = self.wte.weight
+        if not init_weights:
+            return
         self.apply(self._init_weights)
         # GPT-2 scales the init of each residual projection by 1/sqrt(2 * n_layer) so the residual
         # stream's variance does not grow with depth.

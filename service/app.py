@@ -45,7 +45,7 @@ from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.threads import single_threaded_executor
 from service.errors import install_error_handlers
-from service.heap import freeze_startup_heap
+from service.heap import freeze_startup_heap, return_free_memory
 from service.metrics import Metrics
 from service.request_guard import BodyLimitMiddleware, DrainGate, HeaderLimitMiddleware
 from service.settings import Settings
@@ -63,6 +63,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_cache_dtype=settings.kv_cache_dtype,
         max_seqs=settings.max_seqs,
         max_queue=settings.max_queue,
+        max_context=settings.max_context,
         prefill_budget=settings.prefill_budget,
         idle_prefill_budget=settings.idle_prefill_budget,
         crop_policy=settings.crop_policy,
@@ -104,12 +105,18 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     # Before the first `to_thread`: blocking work (loading, the engine's weight packing, long
     # prompts' encoding) must not leave an OpenMP pool beside the engine thread's.
     asyncio.get_running_loop().set_default_executor(single_threaded_executor())
+    # A checkpoint handed to create_app serves one start: nothing may keep its weights once the
+    # engine has them (the runner frees the model's copies the native step packed); a later start
+    # loads settings.checkpoint, the file it came from.
     checkpoint: Checkpoint | None = app.state.checkpoint
+    app.state.checkpoint = None
     if checkpoint is None:
         checkpoint = await asyncio.to_thread(load_checkpoint, settings.checkpoint)
     metrics: Metrics = app.state.metrics
     config = engine_config(settings)
     engine = await asyncio.to_thread(Engine, checkpoint, config, metrics.observer)
+    del checkpoint
+    return_free_memory()  # the weights the engine released (service/heap.py)
     metrics.bind_engine(engine)
     engine.start()
     frozen = False
@@ -117,7 +124,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.warmup()
         frozen = freeze_startup_heap()
         app.state.engine = engine
-        log.info("serving %s (window %d) on %s", checkpoint.name, engine.window, config.resolved_device())
+        log.info("serving %s (window %d) on %s", engine.checkpoint.name, engine.window,
+                 config.resolved_device())
         yield
     finally:
         app.state.engine = None
@@ -146,7 +154,8 @@ def _include_routers(app: FastAPI) -> None:
 
 
 def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | None = None) -> FastAPI:
-    """The ASGI app. `checkpoint`, when given, is served instead of loading `settings.checkpoint`."""
+    """The ASGI app. `checkpoint`, when given, is served instead of loading `settings.checkpoint`
+    (at the first start only: see lifespan)."""
     settings = settings or Settings()
     app = FastAPI(
         title="nanoserve",

@@ -100,6 +100,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return _fail(str(e))
     configure_logging(settings.log_level, settings.log_format)
     app = create_app(settings, checkpoint=checkpoint)
+    del checkpoint  # the app's lifespan hands it to the engine and drops it (service/app.py)
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -52,6 +52,11 @@ class Settings(BaseSettings):
     # Engine (passed to EngineConfig).
     max_seqs: int = Field(default=16, ge=1, le=4096, description="KV slots = max concurrent sequences.")
     max_queue: int = Field(default=64, ge=1, description="Waiting requests beyond which new ones get 429.")
+    max_context: int | None = Field(
+        default=None, ge=2,
+        description="Tokens per sequence, prompt and output (default: the model's window); the KV "
+        "cache holds max_seqs x max_context tokens.",
+    )
     prefill_budget: int = Field(default=256, ge=1, description="Prompt tokens prefilled per engine step.")
     idle_prefill_budget: int = Field(
         default=2048, ge=1,

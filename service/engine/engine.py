@@ -13,6 +13,7 @@ import secrets
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,9 @@ class Engine:
     def __init__(
         self, checkpoint: Checkpoint, config: EngineConfig, observer: EngineObserver | None = None
     ) -> None:
-        self.checkpoint = checkpoint
+        # Everything but the weights: those live in the model (and the native step's panels), and
+        # holding the state dict would keep the copies the runner releases alive (runner.py).
+        self.checkpoint = replace(checkpoint, state_dict={})
         self.config = config
         self.observer: EngineObserver = observer or NullObserver()
         self.tokenizer: Tokenizer = checkpoint.tokenizer

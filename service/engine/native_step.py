@@ -124,6 +124,45 @@ def capture_weights(model: GPT) -> list[torch.Tensor | None]:
     return w + norm(model.ln_f) + linear(model.lm_head)
 
 
+def _packed_linears(model: GPT) -> list[nn.Linear]:
+    """The linear layers whose weights a NativeStep holds packed, apart from the model's."""
+    blocks: list[Block] = list(model.h)  # type: ignore[arg-type]
+    out: list[nn.Linear] = []
+    for block in blocks:
+        out += [block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj]
+    if model.lm_head.weight is not model.wte.weight:
+        out.append(model.lm_head)
+    return out
+
+
+def own_unpacked_weights(model: GPT) -> None:
+    """Copy the weights a NativeStep reads as they are (embeddings, norms, biases) into memory of
+    the model's own, before the step captures them. A checkpoint's tensors are views of its file,
+    mapped (safetensors), and the mapping stays, whole and resident once read, while any one of
+    them lives: without this the step's embedding kept all of it after the packed layers'
+    weights were released. The tied output layer shares the embedding's Parameter: copied once."""
+    packed = {id(module.weight) for module in _packed_linears(model)}
+    with torch.no_grad():
+        for param in model.parameters():
+            if id(param) not in packed:
+                param.data = param.data.clone()
+
+
+def release_packed_weights(model: GPT) -> int:
+    """Free the model's own copies of the linear weights a NativeStep holds packed, when the step
+    runs every forward: they are then dead weight (the model's linear weights twice in memory,
+    ~340 MB at 124M float32). They become meta tensors, so a torch forward fails loudly instead
+    of computing with nothing. The tied output layer stays: it is the token embedding, which the
+    step reads too. Returns the bytes released (freed once nothing else holds them: the engine
+    keeps no checkpoint weights, see Engine.__init__)."""
+    released = 0
+    for module in _packed_linears(model):
+        weight = module.weight
+        released += weight.numel() * weight.element_size()
+        module.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+    return released
+
+
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.ns_create.restype = ctypes.c_void_p

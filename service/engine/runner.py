@@ -19,7 +19,7 @@ from model.gpt import GPT
 from model.sampling import SamplingBatch, sample_tokens, seeded_uniform, token_logprobs
 from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
-from service.engine.native_step import NativeStep
+from service.engine.native_step import NativeStep, own_unpacked_weights, release_packed_weights
 from service.engine.request import Request
 from service.engine.threads import ThreadTuner
 
@@ -104,10 +104,16 @@ class ModelRunner:
         # call instead (native_step.py). Rows are computed independently there, so batched and
         # alone give the same bits and deterministic mode may batch them too.
         self.native_step: NativeStep | None = None
+        self.released_bytes = 0
         if native_max_rows > 0:
+            own_unpacked_weights(model)
             self.native_step = NativeStep(
                 model, self.cache, max_threads=cpu_threads, max_rows=native_max_rows
             )
+            # Every forward now fits the native step, so the model's linear weights are only
+            # held twice: keep the packed copy alone (native_step.release_packed_weights).
+            self.decode_step = None
+            self.released_bytes = release_packed_weights(model)
         self.vocab = model.config.vocab_size
         # nanoGPT pads the vocabulary (50257 -> 50304) for speed: ids the tokenizer cannot
         # decode must never be sampled.
@@ -172,8 +178,12 @@ class ModelRunner:
             raise InjectedFault("injected fault (fault_injection raise)")
         t = len(items[0].tokens)
         slot_list = [item.req.slot for item in items]
+        if self.native_step is not None and len(items) * t > self.native_step.max_rows:
+            # forward() never sends one; the model's own linear weights are released (see __init__).
+            raise RuntimeError(f"a forward of {len(items) * t} tokens is more than the native step's "
+                               f"{self.native_step.max_rows} rows")
         self.threads.begin(len(items) * t)
-        if self.native_step is not None and len(items) * t <= self.native_step.max_rows:
+        if self.native_step is not None:
             # Every token is a row; a prompt chunk's rows see each other's keys (native_step.py).
             tokens = [tok for it in items for tok in it.tokens]
             positions = [p for it in items for p in range(it.start, it.start + t)]

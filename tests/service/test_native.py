@@ -170,6 +170,18 @@ async def test_info_reports_model_and_limits(client: AppClient) -> None:
     assert info["version"]
 
 
+async def test_max_context_shrinks_the_window_and_the_kv_cache(tiny_checkpoint, client: AppClient) -> None:  # type: ignore[no-untyped-def]
+    full = (await client.get("/info")).json()
+    async with asgi_client(tiny_checkpoint, max_context=16) as small:
+        info = (await small.get("/info")).json()
+        assert info["window"] == 16 and full["window"] == 64
+        assert info["engine"]["kv_cache_bytes"] * 4 == full["engine"]["kv_cache_bytes"]
+        # A prompt longer than the window is cropped to it, as with the model's own window.
+        r = await small.post("/generate", json={"inputs": "abcdefghij" * 3, "parameters": {
+            "max_new_tokens": 2, "details": True}})
+        assert r.status_code == 200 and r.json()["details"]["cropped_tokens"] > 0
+
+
 async def test_openapi_documents_streaming_routes_as_event_stream(client: AppClient) -> None:
     spec = (await client.get("/openapi.json")).json()
     stream_200 = spec["paths"]["/generate_stream"]["post"]["responses"]["200"]["content"]

@@ -5,18 +5,21 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import gc
+from pathlib import Path
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
-from model.checkpoint import Checkpoint
+from model.checkpoint import Checkpoint, load_checkpoint
 from model.config import GPTConfig
 from model.gpt import GPT
 from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
 from service.engine.native_step import NativeStep, library_path, omp_entry_points
 from tests.conftest import IN_CI
-from tests.service.engine.conftest import EngineFactory, collect, token_ids
+from tests.service.engine.conftest import EngineFactory, collect, make_lively_checkpoint, token_ids
 
 # Widths that are not multiples of the kernels' vector and block sizes (40 features, heads of 10,
 # 97 logits), so every tail path runs; and the common aligned shape.
@@ -252,3 +255,28 @@ async def test_a_bfloat16_kv_cache_halves_the_cache_and_both_paths_agree(
         want = token_ids(await collect(plain, prompt, max_new_tokens=40, temperature=0.0))
         got = token_ids(await collect(native, prompt, max_new_tokens=40, temperature=0.0))
         assert got == want
+
+
+@pytest.mark.parametrize("native", [True, False])
+async def test_an_engine_on_the_native_step_holds_no_checkpoint_memory(
+    make_engine: EngineFactory, lively: Checkpoint, tmp_path: Path, native: bool
+) -> None:
+    # A checkpoint loaded for this test alone: its tensors are views of the mapped file, and the
+    # mapping (all of it resident once read) goes only when none of them is held any more. With
+    # the native step the engine packs the linear weights, releases the model's copies of them
+    # and copies the few it reads as they are, so nothing of the checkpoint may stay.
+    ckpt = load_checkpoint(make_lively_checkpoint(tmp_path / "ckpt"))
+    refs = [StorageWeakRef(t.untyped_storage()) for t in ckpt.state_dict.values()]
+    # The control keeps torch's layout too (no oneDNN packing, which replaces the weights as well).
+    engine = make_engine(ckpt, max_seqs=2, native_step=native, packed_linear=False)
+    want = token_ids(await collect(make_engine(lively, max_seqs=2, native_step=False), "hello wor",
+                                   max_new_tokens=20, temperature=0.0))
+    del ckpt
+    gc.collect()
+    assert [ref.expired() for ref in refs] == [native] * len(refs)
+    assert not engine.checkpoint.state_dict  # the engine keeps the checkpoint's metadata only
+    assert (engine.runner.released_bytes > 0) == native
+    if native:  # the released weights are gone from the model, not just from the checkpoint
+        assert engine.model.h[0].mlp.c_fc.weight.is_meta and not engine.model.wte.weight.is_meta
+    # Generation never touched the released weights (a torch forward on meta tensors would fail).
+    assert token_ids(await collect(engine, "hello wor", max_new_tokens=20, temperature=0.0)) == want
