@@ -115,7 +115,9 @@ def capture_weights(model: GPT) -> list[torch.Tensor | None]:
     def norm(module: nn.LayerNorm) -> list[torch.Tensor | None]:
         return [small(module.weight), small(module.bias)]
 
-    w: list[torch.Tensor | None] = [plain(model.wte.weight), plain(model.wpe.weight)]
+    # A tied output layer is the embedding: decode.c reads the embeddings from its panels then.
+    tied = model.lm_head.weight is model.wte.weight
+    w: list[torch.Tensor | None] = [None if tied else plain(model.wte.weight), plain(model.wpe.weight)]
     blocks: list[Block] = list(model.h)  # type: ignore[arg-type]
     for block in blocks:
         attn, mlp = block.attn, block.mlp
@@ -125,22 +127,21 @@ def capture_weights(model: GPT) -> list[torch.Tensor | None]:
 
 
 def _packed_linears(model: GPT) -> list[nn.Linear]:
-    """The linear layers whose weights a NativeStep holds packed, apart from the model's."""
+    """The linear layers whose weights a NativeStep holds packed: every block's and the output
+    layer (whose panels also serve as the embeddings when it is tied to them)."""
     blocks: list[Block] = list(model.h)  # type: ignore[arg-type]
     out: list[nn.Linear] = []
     for block in blocks:
         out += [block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj]
-    if model.lm_head.weight is not model.wte.weight:
-        out.append(model.lm_head)
-    return out
+    return [*out, model.lm_head]
 
 
 def own_unpacked_weights(model: GPT) -> None:
-    """Copy the weights a NativeStep reads as they are (embeddings, norms, biases) into memory of
-    the model's own, before the step captures them. A checkpoint's tensors are views of its file,
-    mapped (safetensors), and the mapping stays, whole and resident once read, while any one of
-    them lives: without this the step's embedding kept all of it after the packed layers'
-    weights were released. The tied output layer shares the embedding's Parameter: copied once."""
+    """Copy the weights a NativeStep reads as they are (position embeddings, norms, biases; token
+    embeddings when not tied) into memory of the model's own, before the step captures them. A
+    checkpoint's tensors are views of its file, mapped (safetensors), and the mapping stays, whole
+    and resident once read, while any one of them lives: without this the step's few kept
+    weights held all of it after the packed layers' weights were released."""
     packed = {id(module.weight) for module in _packed_linears(model)}
     with torch.no_grad():
         for param in model.parameters():
@@ -149,17 +150,20 @@ def own_unpacked_weights(model: GPT) -> None:
 
 
 def release_packed_weights(model: GPT) -> int:
-    """Free the model's own copies of the linear weights a NativeStep holds packed, when the step
-    runs every forward: they are then dead weight (the model's linear weights twice in memory,
-    ~340 MB at 124M float32). They become meta tensors, so a torch forward fails loudly instead
-    of computing with nothing. The tied output layer stays: it is the token embedding, which the
-    step reads too. Returns the bytes released (freed once nothing else holds them: the engine
-    keeps no checkpoint weights, see Engine.__init__)."""
+    """Free the model's own copies of the weights a NativeStep holds packed, when the step runs
+    every forward: they are then dead weight (without this the engine held the 124M model's
+    linear weights twice, ~490 MB in float32). They become meta tensors, so a torch forward
+    fails loudly instead of computing with nothing; a tied embedding goes with its output layer
+    (the step reads it from the panels). Returns the bytes released (freed once nothing else
+    holds them: the engine keeps no checkpoint weights, see Engine.__init__)."""
     released = 0
+    tied = model.lm_head.weight is model.wte.weight
     for module in _packed_linears(model):
         weight = module.weight
         released += weight.numel() * weight.element_size()
         module.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+    if tied:
+        model.wte.weight = model.lm_head.weight
     return released
 
 

@@ -197,6 +197,13 @@ static void gelu(const Model *m, float *x, int n) {
  * bfloat16 panels interleave the two halves of a panel, [p][k][j][h] = W[p * PANEL + 8 h + j][k]
  * (j < 8), so one 32-byte load widens to both halves' vectors with a shift and a mask. */
 #define PANEL 16
+
+/* Where output feature j of a panel sits among the panel's PANEL values for one input: in order
+ * for float32; bfloat16 interleaves the two halves (j and j + 8 side by side, see the kernels). */
+static inline size_t panel_lane(int j, int type) {
+    return type == BF16 ? (size_t)(j % (PANEL / 2)) * 2 + (size_t)(j / (PANEL / 2)) : (size_t)j;
+}
+
 #define MAX_R 6 /* rows per register block: 6 x 2 accumulators + 2 weight vectors + 1 broadcast */
 
 static void store_panel(const Linear *l, float *y, int ystride, int rows, int o, const float *sums, int accumulate) {
@@ -506,8 +513,17 @@ static void step_thread(void *arg) {
     int phase = 0;
 
     for (int r = tid; r < rows; r += nt) {
-        const size_t te = (size_t)job->tok[r] * c, pe = (size_t)job->pos[r] * c;
-        for (int i = 0; i < c; i++) m->x[(size_t)r * c + i] = to_float(m->wte, m->wt, te + i) + to_float(m->wpe, m->wt, pe + i);
+        const size_t pe = (size_t)job->pos[r] * c;
+        float *x = m->x + (size_t)r * c;
+        if (m->wte) {
+            const size_t te = (size_t)job->tok[r] * c;
+            for (int i = 0; i < c; i++) x[i] = to_float(m->wte, m->wt, te + i) + to_float(m->wpe, m->wt, pe + i);
+        } else {
+            const int t = (int)job->tok[r];
+            const size_t at = (size_t)(t / PANEL) * c * PANEL + panel_lane(t % PANEL, m->wt);
+            for (int i = 0; i < c; i++)
+                x[i] = to_float(m->head.w, m->wt, at + (size_t)i * PANEL) + to_float(m->wpe, m->wt, pe + i);
+        }
     }
     sync(job);
     for (int li = 0; li < m->n_layer; li++) {
@@ -550,7 +566,8 @@ static Norm norm(const void *const **p) {
     return n;
 }
 
-/* ptrs: wte, wpe; per layer ln1.w, ln1.b, attn.w, attn.b, proj.w, proj.b, ln2.w, ln2.b, fc.w,
+/* ptrs: wte (or NULL when the output layer is tied to it: the embeddings are then read from the
+ * head's panels, so the model needs them once), wpe; per layer ln1.w, ln1.b, attn.w, attn.b, proj.w, proj.b, ln2.w, ln2.b, fc.w,
  * fc.b, mproj.w, mproj.b, k, v; then lnf.w, lnf.b, head.w, head.b. Biases may be NULL. Linear
  * weights and embeddings are of type wt, k and v of type kvt (F32 or BF16), the rest float32.
  * omp: GOMP_parallel, GOMP_barrier, omp_get_thread_num, omp_get_num_threads, or NULL (one thread). */

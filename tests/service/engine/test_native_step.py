@@ -102,6 +102,22 @@ def test_native_step_matches_the_torch_decode_step(shape: str, rows: int, openmp
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
+@torch.no_grad()
+def test_an_untied_output_layer_reads_its_own_weights_and_the_embeddings_theirs(shape: str) -> None:
+    # Tied models (every GPT here) read their embeddings from the output layer's panels; an
+    # untied one must read the embedding table itself.
+    model = _model(SHAPES[shape])
+    model.lm_head.weight = torch.nn.Parameter(model.wte.weight.flip(0).clone())
+    lengths = {0: 7, 2: 3}
+    torch_cache, native_cache = _prefilled(model, 4, lengths), _prefilled(model, 4, lengths)
+    native = NativeStep(model, native_cache, max_threads=1, use_openmp=False)
+    tokens, positions, slots = [5, 9], [7, 3], [0, 2]
+    torch_cache.prepare(slots, [p + 1 for p in positions])
+    want = DecodeStep(model, torch_cache)(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots))
+    torch.testing.assert_close(native(tokens, positions, slots), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @torch.no_grad()
 def test_prompt_chunks_and_decode_rows_in_one_call_match_the_model(shape: str, dtype: torch.dtype) -> None:
@@ -276,7 +292,8 @@ async def test_an_engine_on_the_native_step_holds_no_checkpoint_memory(
     assert [ref.expired() for ref in refs] == [native] * len(refs)
     assert not engine.checkpoint.state_dict  # the engine keeps the checkpoint's metadata only
     assert (engine.runner.released_bytes > 0) == native
-    if native:  # the released weights are gone from the model, not just from the checkpoint
-        assert engine.model.h[0].mlp.c_fc.weight.is_meta and not engine.model.wte.weight.is_meta
+    if native:  # gone from the model too; the tied embedding with its output layer (read from its panels)
+        assert engine.model.h[0].mlp.c_fc.weight.is_meta and engine.model.wte.weight.is_meta
+        assert engine.model.wte.weight is engine.model.lm_head.weight
     # Generation never touched the released weights (a torch forward on meta tensors would fail).
     assert token_ids(await collect(engine, "hello wor", max_new_tokens=20, temperature=0.0)) == want
