@@ -12,10 +12,12 @@ from __future__ import annotations
 import ctypes
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _NAMES = {
@@ -83,6 +85,7 @@ def convert_to_gguf(hf_dir: Path, ckpt: Any, out: Path) -> Path:
 
 def _add(w: Any, name: str, t: torch.Tensor, bf16: bool) -> None:
     import gguf
+    import torch  # here, not at the top: a process that only runs llama.cpp (bench/memory.py) has no torch
 
     t = t.contiguous()
     if bf16 and t.dim() == 2:

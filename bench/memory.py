@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; {meta['utc']}. "
              f"{args.concurrency} sequences x ({PROMPT_TOKENS} prompt + {args.new} new tokens), room for "
              f"{args.context} tokens each; "
-             "resident MB after the run (peak in brackets), each peer in a fresh process.\n",
+             "resident MiB after the run (peak in brackets), each peer in a fresh process.\n",
              "| model | dtype | weights | nanoserve serve | engine alone | HF transformers | llama.cpp "
              "| bare python + torch | HF / engine | llama.cpp / engine |",
              "|---|---|---|---|---|---|---|---|---|---|"]
