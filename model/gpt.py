@@ -134,7 +134,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, init_weights: bool = True) -> None:
         """init_weights=False leaves the weights uninitialised, for a model whose weights are
         loaded next (built on the meta device): meta's `normal_` is a Python decomposition whose
-        first call imports ~800 modules (sympy, torch._refs), 74 MB resident in every server."""
+        first call imports ~800 modules (sympy, torch._refs), 74 MiB resident in every server."""
         super().__init__()
         self.config = config
         # An embedding given its weight skips its own normal_ init.

@@ -110,8 +110,9 @@ class ModelRunner:
             self.native_step = NativeStep(
                 model, self.cache, max_threads=cpu_threads, max_rows=native_max_rows
             )
-            # Every forward now fits the native step, so the model's linear weights are only
-            # held twice: keep the packed copy alone (native_step.release_packed_weights).
+            # Every forward now fits the native step (the engine sizes it to its largest step),
+            # so the model's own copies of the packed weights would only hold them twice
+            # (native_step.release_packed_weights); nothing may run the torch path after this.
             self.decode_step = None
             self.released_bytes = release_packed_weights(model)
         self.vocab = model.config.vocab_size

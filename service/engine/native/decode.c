@@ -567,9 +567,10 @@ static Norm norm(const void *const **p) {
 }
 
 /* ptrs: wte (or NULL when the output layer is tied to it: the embeddings are then read from the
- * head's panels, so the model needs them once), wpe; per layer ln1.w, ln1.b, attn.w, attn.b, proj.w, proj.b, ln2.w, ln2.b, fc.w,
- * fc.b, mproj.w, mproj.b, k, v; then lnf.w, lnf.b, head.w, head.b. Biases may be NULL. Linear
- * weights and embeddings are of type wt, k and v of type kvt (F32 or BF16), the rest float32.
+ * head's panels, so the model needs them once), wpe; per layer ln1.w, ln1.b, attn.w, attn.b,
+ * proj.w, proj.b, ln2.w, ln2.b, fc.w, fc.b, mproj.w, mproj.b, k, v; then lnf.w, lnf.b, head.w,
+ * head.b. Biases may be NULL. Linear weights and embeddings are of type wt, k and v of type kvt
+ * (F32 or BF16), the rest float32.
  * omp: GOMP_parallel, GOMP_barrier, omp_get_thread_num, omp_get_num_threads, or NULL (one thread). */
 void *ns_create(int n_layer, int n_head, int n_embd, int vocab, int slots, int window, int max_rows,
                 int max_threads, float eps, int wt, int kvt, const void *const *ptrs, void *const *omp) {
