@@ -85,7 +85,8 @@ class Engine:
             usable_vocab=self.tokenizer.vocab_size, deterministic=config.deterministic,
             cpu_threads=config.cpu_threads or default_cpu_threads(),
             # The native step's capacity: the largest step this engine runs (0: torch runs them).
-            native_max_rows=max(config.max_seqs, config.prefill_budget, config.idle_prefill_budget) * native,
+            native_max_rows=(max(config.max_seqs, config.prefill_budget, config.idle_prefill_budget)
+                             if native else 0),
             kv_dtype=config.torch_kv_dtype,
         )
         if config.compile:

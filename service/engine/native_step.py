@@ -98,26 +98,28 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def capture_weights(model: GPT) -> list[torch.Tensor | None]:
-    """The model's weights in the order ns_create reads them (linear weights packed in panels),
-    without the KV cache buffers (the step adds its cache's). Needs nn.Linear's layout: take them
-    before any oneDNN packing (the engine does not pack where the native step runs). Embeddings
-    and linear weights keep the model's dtype; biases and norms (a few KB) become float32."""
+    """Copies of the model's weights in the order ns_create reads them (linear weights packed in
+    panels), without the KV cache buffers (the step adds its cache's). Needs nn.Linear's layout:
+    take them before any oneDNN packing (the engine does not pack where the native step runs).
+    Embeddings and linear weights keep the model's dtype; biases and norms (a few KB) become
+    float32. Copies, all of them: the step then shares no memory with the model or its checkpoint
+    (whose tensors are views of the mapped file, and the mapping stays, whole and resident once
+    read, while any one of them lives), so the engine can drop both (`release_weights`)."""
 
-    def plain(t: torch.Tensor | None) -> torch.Tensor | None:
-        return t.detach().contiguous() if t is not None else None
-
-    def small(t: torch.Tensor | None) -> torch.Tensor | None:
-        return t.detach().float().contiguous() if t is not None else None
+    def copy(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return t.detach().to(dtype or t.dtype, memory_format=torch.contiguous_format, copy=True)
 
     def linear(module: nn.Linear) -> list[torch.Tensor | None]:
-        return [pack_panels(module.weight.detach()), small(module.bias)]
+        return [pack_panels(module.weight.detach()), copy(module.bias, torch.float32)]
 
     def norm(module: nn.LayerNorm) -> list[torch.Tensor | None]:
-        return [small(module.weight), small(module.bias)]
+        return [copy(module.weight, torch.float32), copy(module.bias, torch.float32)]
 
     # A tied output layer is the embedding: decode.c reads the embeddings from its panels then.
     tied = model.lm_head.weight is model.wte.weight
-    w: list[torch.Tensor | None] = [None if tied else plain(model.wte.weight), plain(model.wpe.weight)]
+    w: list[torch.Tensor | None] = [None if tied else copy(model.wte.weight), copy(model.wpe.weight)]
     blocks: list[Block] = list(model.h)  # type: ignore[arg-type]
     for block in blocks:
         attn, mlp = block.attn, block.mlp
@@ -126,44 +128,17 @@ def capture_weights(model: GPT) -> list[torch.Tensor | None]:
     return w + norm(model.ln_f) + linear(model.lm_head)
 
 
-def _packed_linears(model: GPT) -> list[nn.Linear]:
-    """The linear layers whose weights a NativeStep holds packed: every block's and the output
-    layer (whose panels also serve as the embeddings when it is tied to them)."""
-    blocks: list[Block] = list(model.h)  # type: ignore[arg-type]
-    out: list[nn.Linear] = []
-    for block in blocks:
-        out += [block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj]
-    return [*out, model.lm_head]
-
-
-def own_unpacked_weights(model: GPT) -> None:
-    """Copy the weights a NativeStep reads as they are (position embeddings, norms, biases; token
-    embeddings when not tied) into memory of the model's own, before the step captures them. A
-    checkpoint's tensors are views of its file, mapped (safetensors), and the mapping stays, whole
-    and resident once read, while any one of them lives: without this the step's few kept
-    weights held all of it after the packed layers' weights were released."""
-    packed = {id(module.weight) for module in _packed_linears(model)}
-    with torch.no_grad():
-        for param in model.parameters():
-            if id(param) not in packed:
-                param.data = param.data.clone()
-
-
-def release_packed_weights(model: GPT) -> int:
-    """Free the model's own copies of the weights a NativeStep holds packed, when the step runs
-    every forward: they are then dead weight (without this the engine held the 124M model's
-    linear weights twice, ~490 MB in float32). They become meta tensors, so a torch forward
-    fails loudly instead of computing with nothing; a tied embedding goes with its output layer
-    (the step reads it from the panels). Returns the bytes released (freed once nothing else
-    holds them: the engine keeps no checkpoint weights, see Engine.__init__)."""
-    released = 0
+def release_weights(model: GPT) -> int:
+    """Free the model's weights once a NativeStep holds its own copies and runs every forward:
+    without this the engine held the 124M model's linear weights twice (~490 MB in float32). They
+    become meta tensors, so a torch forward fails loudly instead of computing with nothing.
+    Returns the bytes released (freed once nothing else holds them: the engine keeps no checkpoint
+    weights, see Engine.__init__)."""
+    released = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied one once
     tied = model.lm_head.weight is model.wte.weight
-    for module in _packed_linears(model):
-        weight = module.weight
-        released += weight.numel() * weight.element_size()
-        module.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
-    if tied:
-        model.wte.weight = model.lm_head.weight
+    model.to(device="meta")
+    if tied:  # conversion gives each module its own meta tensor
+        model.lm_head.weight = model.wte.weight
     return released
 
 

@@ -19,7 +19,7 @@ from model.gpt import GPT
 from model.sampling import SamplingBatch, sample_tokens, seeded_uniform, token_logprobs
 from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
-from service.engine.native_step import NativeStep, own_unpacked_weights, release_packed_weights
+from service.engine.native_step import NativeStep, release_weights
 from service.engine.request import Request
 from service.engine.threads import ThreadTuner
 
@@ -106,15 +106,14 @@ class ModelRunner:
         self.native_step: NativeStep | None = None
         self.released_bytes = 0
         if native_max_rows > 0:
-            own_unpacked_weights(model)
             self.native_step = NativeStep(
                 model, self.cache, max_threads=cpu_threads, max_rows=native_max_rows
             )
             # Every forward now fits the native step (the engine sizes it to its largest step),
-            # so the model's own copies of the packed weights would only hold them twice
-            # (native_step.release_packed_weights); nothing may run the torch path after this.
+            # which holds its own copies of the weights: the model's would only hold them twice
+            # (native_step.release_weights); nothing may run the torch path after this.
             self.decode_step = None
-            self.released_bytes = release_packed_weights(model)
+            self.released_bytes = release_weights(model)
         self.vocab = model.config.vocab_size
         # nanoGPT pads the vocabulary (50257 -> 50304) for speed: ids the tokenizer cannot
         # decode must never be sampled.
@@ -180,7 +179,7 @@ class ModelRunner:
         t = len(items[0].tokens)
         slot_list = [item.req.slot for item in items]
         if self.native_step is not None and len(items) * t > self.native_step.max_rows:
-            # forward() never sends one; the model's own linear weights are released (see __init__).
+            # forward() never sends one; the model's weights are released (see __init__).
             raise RuntimeError(f"a forward of {len(items) * t} tokens is more than the native step's "
                                f"{self.native_step.max_rows} rows")
         self.threads.begin(len(items) * t)

@@ -220,8 +220,7 @@ static void store_panel(const Linear *l, float *y, int ystride, int rows, int o,
 static void panel_scalar(const void *wp, int wt, int in, const float *x, int rows, float *sums) {
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < PANEL; j++) {
-            /* feature j's place within input k's PANEL elements (bfloat16: halves interleaved) */
-            const size_t at = wt == BF16 ? (size_t)(j % 8) * 2 + j / 8 : (size_t)j;
+            const size_t at = panel_lane(j, wt);
             float s = 0;
             for (int k = 0; k < in; k++) s += to_float(wp, wt, (size_t)k * PANEL + at) * x[(size_t)r * in + k];
             sums[r * PANEL + j] = s;
@@ -513,17 +512,13 @@ static void step_thread(void *arg) {
     int phase = 0;
 
     for (int r = tid; r < rows; r += nt) {
-        const size_t pe = (size_t)job->pos[r] * c;
+        /* Token t's embedding: row t of wte, or (tied) output feature t of the head's panels. */
+        const int t = (int)job->tok[r];
+        const void *table = m->wte ? m->wte : m->head.w;
+        const size_t te = m->wte ? (size_t)t * c : (size_t)(t / PANEL) * c * PANEL + panel_lane(t % PANEL, m->wt);
+        const size_t step = m->wte ? 1 : PANEL, pe = (size_t)job->pos[r] * c;
         float *x = m->x + (size_t)r * c;
-        if (m->wte) {
-            const size_t te = (size_t)job->tok[r] * c;
-            for (int i = 0; i < c; i++) x[i] = to_float(m->wte, m->wt, te + i) + to_float(m->wpe, m->wt, pe + i);
-        } else {
-            const int t = (int)job->tok[r];
-            const size_t at = (size_t)(t / PANEL) * c * PANEL + panel_lane(t % PANEL, m->wt);
-            for (int i = 0; i < c; i++)
-                x[i] = to_float(m->head.w, m->wt, at + (size_t)i * PANEL) + to_float(m->wpe, m->wt, pe + i);
-        }
+        for (int i = 0; i < c; i++) x[i] = to_float(table, m->wt, te + i * step) + to_float(m->wpe, m->wt, pe + i);
     }
     sync(job);
     for (int li = 0; li < m->n_layer; li++) {

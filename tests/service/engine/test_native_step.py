@@ -279,8 +279,8 @@ async def test_an_engine_on_the_native_step_holds_no_checkpoint_memory(
 ) -> None:
     # A checkpoint loaded for this test alone: its tensors are views of the mapped file, and the
     # mapping (all of it resident once read) goes only when none of them is held any more. With
-    # the native step the engine packs the linear weights, releases the model's copies of them
-    # and copies the few it reads as they are, so nothing of the checkpoint may stay.
+    # the native step, which holds its own copy of every weight (the linear layers packed), the
+    # engine releases the model's, so nothing of the checkpoint may stay.
     ckpt = load_checkpoint(make_lively_checkpoint(tmp_path / "ckpt"))
     refs = [StorageWeakRef(t.untyped_storage()) for t in ckpt.state_dict.values()]
     # The control keeps torch's layout too (no oneDNN packing, which replaces the weights as well).
