@@ -16,7 +16,7 @@ from typing import ParamSpec, TypeVar
 import torch
 
 from model.gpt import GPT
-from model.sampling import SamplingBatch, sample_tokens, seeded_uniform, token_logprobs
+from model.sampling import SamplingBatch, candidate_width, sample_tokens, seeded_uniform, token_logprobs
 from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
 from service.engine.native_step import NativeStep, release_weights
@@ -292,6 +292,14 @@ class ModelRunner:
             batch.min_p = col([p.min_p or 0.0 for p in ps])
         if any(p.typical_p is not None and p.typical_p < 1 for p in ps):
             batch.typical_p = col([p.typical_p if p.typical_p is not None else 1.0 for p in ps])
+        sampling = [p for p in ps if p.temperature > 0]
+        batch.candidates = candidate_width(
+            self.vocab,
+            [min(p.top_k or self.vocab, self.vocab) for p in sampling],
+            [p.top_p if p.top_p is not None else 1.0 for p in sampling],
+            [p.min_p or 0.0 for p in sampling],
+            typical=batch.typical_p is not None,
+        )
         if any(p.repetition_penalty not in (None, 1.0) for p in ps):
             batch.repetition_penalty = col([p.repetition_penalty or 1.0 for p in ps])
         if any(p.frequency_penalty or p.presence_penalty for p in ps):

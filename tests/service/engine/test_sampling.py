@@ -11,9 +11,12 @@ import torch
 
 from model.checkpoint import Checkpoint
 from model.sampling import (
+    CANDIDATES,
     SamplingBatch,
+    _Head,
     apply_additive_penalties,
     apply_repetition_penalty,
+    candidate_width,
     min_p_mask,
     process_logits,
     sample_from_logits,
@@ -152,28 +155,97 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_skips_masked() -> Non
     assert seeded_uniform(1, 5) == seeded_uniform(1, 5) != seeded_uniform(2, 5)
 
 
+def col(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values).view(-1, 1)
+
+
 def test_top_k_candidates_path_picks_what_the_full_vocabulary_path_picks() -> None:
     n, v = 64, 400
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(n, v, generator=g) * 4
-
-    def col(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values).view(-1, 1)
-
     ks = [int(k) for k in torch.randint(1, 60, (n,), generator=g)]
+    tps, mps = [0.5 + (i % 4) / 8 for i in range(n)], [(i % 3) / 20 for i in range(n)]
     batch = SamplingBatch(
         temperature=col([0.5 + (i % 5) / 4 for i in range(n)]),
         greedy=torch.zeros(n, dtype=torch.bool),
         uniform=torch.tensor([seeded_uniform(11, i) for i in range(n)], dtype=torch.float64),
         top_k=torch.tensor(ks).view(-1, 1),
         top_k_max=max(ks),
-        top_p=col([0.5 + (i % 4) / 8 for i in range(n)]),
-        min_p=col([(i % 3) / 20 for i in range(n)]),
+        top_p=col(tps),
+        min_p=col(mps),
+        candidates=candidate_width(v, ks, tps, mps, typical=False),
     )
-    fast = sample_tokens(logits, batch)  # max(k) * 4 <= V: candidates only
+    assert batch.candidates == max(ks)  # every row has a top_k: that many candidates
+    fast = sample_tokens(logits, batch)
     full = sample_from_logits(process_logits(logits, batch), batch.uniform)
     assert torch.equal(fast, full)
     assert len(set(fast.tolist())) > 20
+
+
+def test_nucleus_candidates_pick_what_the_whole_vocabulary_picks() -> None:
+    """top_p and min_p without top_k: a row whose nucleus fits in the first 64 candidates is
+    sampled there, one that needs more in 1024, a flat one over everything; every row picks what
+    the whole-vocabulary path picks, greedy rows and top_k rows beside them included."""
+    n, v = 120, 4096
+    g = torch.Generator().manual_seed(5)
+    scale = torch.tensor([[0.2, 1.5, 3.0, 8.0][i % 4] for i in range(n)]).view(-1, 1)  # flat .. peaked
+    logits = torch.randn(n, v, generator=g) * scale
+    kinds = [i % 5 for i in range(n)]  # 0 top_p, 1 min_p, 2 top_p + min_p, 3 top_k + top_p, 4 greedy
+    temps = [0.0 if kind == 4 else 0.7 + (i % 3) / 4 for i, kind in enumerate(kinds)]
+    ks = [20 if kind == 3 else v for kind in kinds]
+    tps = [0.5 + (i % 5) / 10 if kind in (0, 2, 3) else 1.0 for i, kind in enumerate(kinds)]
+    mps = [0.02 + (i % 3) / 10 if kind in (1, 2) else 0.0 for i, kind in enumerate(kinds)]
+    sampling = [i for i, kind in enumerate(kinds) if kind != 4]
+    width = candidate_width(v, *([xs[i] for i in sampling] for xs in (ks, tps, mps)), typical=False)
+    assert width == CANDIDATES
+    batch = SamplingBatch(
+        temperature=col(temps),
+        greedy=torch.tensor([kind == 4 for kind in kinds]),
+        uniform=torch.tensor([seeded_uniform(7, i) for i in range(n)], dtype=torch.float64),
+        top_k=torch.tensor(ks).view(-1, 1), top_k_max=v, top_p=col(tps), min_p=col(mps), candidates=width,
+    )
+    fast = sample_tokens(logits, batch)
+    full = sample_tokens(logits, SamplingBatch(**{**vars(batch), "candidates": 0}))
+    assert torch.equal(fast, full)
+    # Each way was taken: rows fitting in 64 candidates, in 1024 but not 64, and in neither.
+    fits64, fits1024 = (_Head(logits, batch, w).fits for w in (64, 1024))
+    sampled = ~batch.greedy
+    assert (fits64 & sampled).sum() > 10
+    assert (~fits64 & fits1024 & sampled).sum() > 3
+    assert (~fits1024 & sampled).sum() > 3
+
+
+def test_top_p_keeps_tied_tokens_together_across_the_candidates_edge() -> None:
+    # One likely token (~24% of the mass), then 100 tied ones (~44%), then the rest: at top_p 0.3
+    # the mass above every tied token is the first one's, so all 100 stay, though 64 candidates
+    # cut their run: that row must not be sampled from 64 candidates.
+    v, n = 4096, 400
+    row = torch.full((v,), -3.0)
+    row[0], row[1:101] = 5.0, 1.0
+    perm = torch.randperm(v, generator=torch.Generator().manual_seed(1))
+    kept = top_p_mask(row[perm].view(1, -1), col([0.3]))
+    assert torch.isfinite(kept).sum() == 101 and torch.isfinite(kept[0, perm.argsort()[:101]]).all()
+    logits = row.expand(n, v).clone()
+    batch = SamplingBatch(
+        temperature=col([1.0] * n), greedy=torch.zeros(n, dtype=torch.bool),
+        uniform=torch.tensor([seeded_uniform(3, i) for i in range(n)], dtype=torch.float64),
+        top_p=col([0.3] * n), candidates=candidate_width(v, [v] * n, [0.3] * n, [0.0] * n, typical=False),
+    )
+    assert not _Head(logits, batch, CANDIDATES).fits.any()
+    fast = sample_tokens(logits, batch)
+    assert torch.equal(fast, sample_tokens(logits, SamplingBatch(**{**vars(batch), "candidates": 0})))
+    assert set(fast.tolist()) <= set(range(101)) and max(fast.tolist()) > CANDIDATES
+
+
+def test_candidate_width() -> None:
+    v = 50257
+    assert candidate_width(v, [v, 40], [0.9, 1.0], [0.0, 0.0], typical=False) == CANDIDATES
+    assert candidate_width(v, [v, 500], [0.9, 1.0], [0.0, 0.0], typical=False) == 500
+    assert candidate_width(v, [v], [1.0], [0.0], typical=False) == 0  # plain temperature: everything
+    assert candidate_width(v, [40], [1.0], [0.0], typical=True) == 0
+    assert candidate_width(v, [40, 7], [0.9, 1.0], [0.0, 0.0], typical=False) == 40  # all top_k
+    assert candidate_width(200, [200], [0.9], [0.0], typical=False) == 0  # 64 * 4 > V
+    assert candidate_width(v, [], [], [], typical=False) == 0
 
 
 async def test_seeded_sampling_same_alone_and_batched(make_engine: EngineFactory, lively: Checkpoint) -> None:

@@ -1,0 +1,177 @@
+"""Sampling a step's tokens at GPT-2's vocabulary: the engine's candidates path vs the whole
+vocabulary, and Hugging Face's logits warpers, on the same logits in one process.
+
+    python bench/sampling.py [--rows 1,8,32] [--vocab 50257] [--out bench/results/sampling]
+
+The logits are synthetic, N(0, scale^2) per token, at scales from flat (a randomly initialised
+model's: nearly uniform over 50k tokens) to peaked; each table row gives the distribution's mean
+entropy and how much of its mass its 64 likeliest tokens hold, because the candidates path
+(model/sampling.py `sample_tokens`) pays off exactly when a row's nucleus lies in its head.
+Variants, alternating, median of `--steps` calls per round, best round kept:
+  - candidates: `sample_tokens` as the engine runs it (`candidate_width` from the parameters);
+  - whole vocabulary: `sample_tokens` with candidates off (every filter over all tokens);
+  - HF: `transformers` warpers (TemperatureLogitsWarper, TopK/TopP/MinPLogitsWarper), softmax
+    and `torch.multinomial`, as `generate(do_sample=True)` samples.
+Writes bench/results/sampling.json and sampling.md. Not a test: nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.engine import RESULTS, load_avg, machine, write_results
+from model.sampling import CANDIDATES, SamplingBatch, candidate_width, sample_tokens, seeded_uniform
+
+SCALES = {"flat (random weights)": 0.05, "scale 3": 3.0, "scale 6": 6.0, "scale 10": 10.0}
+SETTINGS: dict[str, dict[str, float]] = {
+    "top_p 0.9": {"top_p": 0.9},
+    "top_p 0.95": {"top_p": 0.95},
+    "min_p 0.05": {"min_p": 0.05},
+    "top_k 40, top_p 0.95": {"top_k": 40, "top_p": 0.95},
+    "temperature only": {},
+}
+
+
+def batch_for(rows: int, vocab: int, params: dict[str, float], candidates: bool) -> SamplingBatch:
+    def col(value: float) -> torch.Tensor:
+        return torch.full((rows, 1), value)
+
+    k, p, m = int(params.get("top_k", vocab)), params.get("top_p", 1.0), params.get("min_p", 0.0)
+    batch = SamplingBatch(
+        temperature=col(1.0),
+        greedy=torch.zeros(rows, dtype=torch.bool),
+        uniform=torch.tensor([seeded_uniform(1, i) for i in range(rows)], dtype=torch.float64),
+    )
+    if k < vocab:
+        batch.top_k, batch.top_k_max = torch.full((rows, 1), k), k
+    if p < 1:
+        batch.top_p = col(p)
+    if m > 0:
+        batch.min_p = col(m)
+    if candidates:
+        batch.candidates = candidate_width(vocab, [k] * rows, [p] * rows, [m] * rows, typical=False)
+    return batch
+
+
+def hf_sampler(params: dict[str, float]) -> Callable[[torch.Tensor], torch.Tensor]:
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    warpers: list[Any] = [TemperatureLogitsWarper(1.0)]
+    if "top_k" in params:
+        warpers.append(TopKLogitsWarper(int(params["top_k"])))
+    if "top_p" in params:
+        warpers.append(TopPLogitsWarper(params["top_p"]))
+    if "min_p" in params:
+        warpers.append(MinPLogitsWarper(params["min_p"]))
+    chain = LogitsProcessorList(warpers)
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        scores = chain(torch.empty(0, dtype=torch.long), logits)
+        return torch.multinomial(scores.softmax(dim=-1), 1).view(-1)
+
+    return sample
+
+
+def best_median_ms(fns: dict[str, Callable[[], object]], steps: int, rounds: int) -> dict[str, float]:
+    best = dict.fromkeys(fns, math.inf)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+            best[name] = min(best[name], 1e3 * statistics.median(samples))
+    return best
+
+
+def describe(logits: torch.Tensor) -> tuple[float, float]:
+    """Mean entropy (nats) of the rows' distributions and mean mass of their CANDIDATES likeliest."""
+    logp = logits.log_softmax(dim=-1)
+    entropy = -(logp.exp() * logp).sum(dim=-1).mean().item()
+    head = logp.topk(CANDIDATES, dim=-1).values.exp().sum(dim=-1).mean().item()
+    return entropy, head
+
+
+@torch.inference_mode()
+def run(rows_list: list[int], vocab: int, steps: int, rounds: int) -> list[dict[str, Any]]:
+    out = []
+    g = torch.Generator().manual_seed(0)
+    for rows in rows_list:
+        for dist, scale in SCALES.items():
+            logits = torch.randn(rows, vocab, generator=g) * scale
+            entropy, head = describe(logits)
+            for setting, params in SETTINGS.items():
+                fast, full = batch_for(rows, vocab, params, True), batch_for(rows, vocab, params, False)
+                assert torch.equal(sample_tokens(logits, fast), sample_tokens(logits, full))
+                hf = hf_sampler(params)
+                ms = best_median_ms({
+                    "candidates": lambda: sample_tokens(logits, fast),  # noqa: B023
+                    "whole vocabulary": lambda: sample_tokens(logits, full),  # noqa: B023
+                    "HF": lambda: hf(logits),  # noqa: B023
+                }, steps, rounds)
+                out.append({"rows": rows, "distribution": dist, "entropy": entropy, "head_mass": head,
+                            "setting": setting, "width": fast.candidates, "ms": ms})
+                print(f"{rows:3d} rows  {dist:22s} {setting:22s} " + "  ".join(
+                    f"{k} {v:7.2f} ms" for k, v in ms.items()), flush=True)
+    return out
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| rows | logits | entropy (nats) | mass of top 64 | setting | candidates ms | "
+        "whole vocabulary / candidates | HF / candidates |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        ms = r["ms"]
+        lines.append(
+            f"| {r['rows']} | {r['distribution']} | {r['entropy']:.1f} | {r['head_mass']:.2f} | "
+            f"{r['setting']} | {ms['candidates']:.2f} | {ms['whole vocabulary'] / ms['candidates']:.2f} | "
+            f"{ms['HF'] / ms['candidates']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="1,8,32")
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", default=str(RESULTS / "sampling"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_before": load_avg()}
+    results = run([int(r) for r in args.rows.split(",")], args.vocab, args.steps, args.rounds)
+    meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
+    md = (f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
+          f"{meta['machine']['torch']}, {args.threads} threads; {meta['utc']}; vocabulary {args.vocab}; "
+          f"load before/after {meta['load_before']} / {meta['load_after']}. Milliseconds per call "
+          f"(best of {args.rounds} rounds' medians); every candidates pick equalled the whole "
+          f"vocabulary's.\n\n" + table(results) + "\n")
+    print(md)
+    write_results(args.out, {"meta": meta, "results": results}, md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
