@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from model.gpt import GPT, Block
+from service.engine.file_pages import FilePages
 from service.engine.kv_slots import SpanKVCache
 
 log = logging.getLogger(__name__)
@@ -88,13 +89,21 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     PANEL, in, PANEL), zero-padded to whole panels. bfloat16 interleaves each input's two halves
     of the panel (features j and j + 8 side by side), which decode.c widens with a shift and a mask."""
     out, inp = weight.shape
-    pad = -out % PANEL
-    if pad:
-        weight = torch.cat([weight, weight.new_zeros(pad, inp)])
-    panels = weight.reshape(-1, PANEL, inp).transpose(1, 2)
+    full, half = out // PANEL, PANEL // 2
+    packed = weight.new_zeros(-(-out // PANEL), inp, PANEL)
+    # Written in place through a view of it in the weight's row order: no padded or transposed
+    # copy of the weight on the way (at 124M the output layer's was a 154 MB start-up temporary).
     if weight.dtype == torch.bfloat16:
-        panels = panels.reshape(-1, inp, 2, PANEL // 2).transpose(2, 3).reshape(-1, inp, PANEL)
-    return panels.contiguous()
+        rows = packed.view(-1, inp, half, 2).permute(0, 3, 2, 1)  # (panel, h, j, input): W[p*16 + 8h + j]
+        rows[:full].copy_(weight[: full * PANEL].view(full, 2, half, inp))
+        for r in range(full * PANEL, out):  # a last, partial panel: at most 15 rows
+            rows[full, (r % PANEL) // half, r % half].copy_(weight[r])
+    else:
+        rows = packed.transpose(1, 2)  # (panel, j, input): W[p*16 + j]
+        rows[:full].copy_(weight[: full * PANEL].view(full, PANEL, inp))
+        if out > full * PANEL:
+            rows[full, : out - full * PANEL].copy_(weight[full * PANEL :])
+    return packed
 
 
 def capture_weights(model: GPT) -> list[torch.Tensor | None]:
@@ -106,13 +115,19 @@ def capture_weights(model: GPT) -> list[torch.Tensor | None]:
     (whose tensors are views of the mapped file, and the mapping stays, whole and resident once
     read, while any one of them lives), so the engine can drop both (`release_weights`)."""
 
+    pages = FilePages()  # a checkpoint file's pages go back as each weight is copied
+
     def copy(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         if t is None:
             return None
-        return t.detach().to(dtype or t.dtype, memory_format=torch.contiguous_format, copy=True)
+        out = t.detach().to(dtype or t.dtype, memory_format=torch.contiguous_format, copy=True)
+        pages.release(t)
+        return out
 
     def linear(module: nn.Linear) -> list[torch.Tensor | None]:
-        return [pack_panels(module.weight.detach()), copy(module.bias, torch.float32)]
+        packed = pack_panels(module.weight.detach())
+        pages.release(module.weight)
+        return [packed, copy(module.bias, torch.float32)]
 
     def norm(module: nn.LayerNorm) -> list[torch.Tensor | None]:
         return [copy(module.weight, torch.float32), copy(module.bias, torch.float32)]
