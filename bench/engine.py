@@ -85,12 +85,16 @@ class ShapeResult:
         free: a run of 16-token prompts and 32 new tokens feeds 1.5x the tokens it generates (2x at
         124M, 16 new), and every peer's time includes its prefill, so that bound read 30-50% low
         at batch 32-64. Prefill here is one forward of every prompt token (the engine runs it
-        so within its prefill budget); its first generated token comes out of that forward."""
+        so within its prefill budget), with the output layer for each sequence's last token only
+        (the engine, HF's generate and llama.cpp all compute only those logits: counting the
+        output layer for every prompt token put this bound below the engine's measured 124M
+        batch-64 run); its first generated token comes out of that forward."""
         lim = self.limits
+        rate = lim["matmul_GFLOPs"] * 1e9
         read_s = lim["weight_bytes"] / (lim["bandwidth_GBps"] * 1e9)
-        per_token_s = lim["flops_per_token"] / (lim["matmul_GFLOPs"] * 1e9)
-        prefill = max(read_s, conc * self.prompt_tokens * per_token_s)
-        return prefill + (self.new_tokens - 1) * max(read_s, conc * per_token_s)
+        token_s, head_s = lim["flops_per_token"] / rate, lim["head_flops_per_token"] / rate
+        prefill = max(read_s, conc * (self.prompt_tokens * (token_s - head_s) + head_s))
+        return prefill + (self.new_tokens - 1) * max(read_s, conc * token_s)
 
     def bound_tps(self, conc: int) -> float:
         return conc * self.new_tokens / self.run_bound_s(conc)
@@ -242,15 +246,16 @@ def _matmul_flops(dtype: torch.dtype) -> float:
     return best_flops
 
 
-def model_costs(cfg: GPTConfig, dtype: torch.dtype) -> tuple[float, float]:
-    """(bytes of weights read per decode step, matmul FLOPs per generated token)."""
+def model_costs(cfg: GPTConfig, dtype: torch.dtype) -> tuple[float, float, float]:
+    """(bytes of weights read per decode step, matmul FLOPs per generated token, the output
+    layer's share of them)."""
     with torch.device("meta"):
         m = GPT(cfg)
     total = sum(p.numel() for p in m.parameters())  # tied lm_head counted once
     elem = torch.finfo(dtype).bits // 8
     # Per token: every Linear (incl. the tied lm_head) costs 2 FLOPs per weight; embeddings are lookups.
     linear = sum(mod.weight.numel() for mod in m.modules() if isinstance(mod, torch.nn.Linear))
-    return float(total * elem), float(2 * linear)
+    return float(total * elem), float(2 * linear), float(2 * m.lm_head.weight.numel())
 
 
 # ------------------------------------------------------------------------------- driver
@@ -305,8 +310,9 @@ def run_shape(shape: str, dtype: str, concs: list[int], args: argparse.Namespace
         # can land beside another tenant (session 7 saw 107-182 GFLOP/s and 9-30 GB/s in a day).
         again = peers["naive"].call("limits")
         res.limits = {k: max(v, again[k]) for k, v in first.items()}
-        weight_bytes, flops_per_token = model_costs(cfg, DTYPES[dtype])
-        res.limits.update(weight_bytes=weight_bytes, flops_per_token=flops_per_token)
+        weight_bytes, flops_per_token, head_flops = model_costs(cfg, DTYPES[dtype])
+        res.limits.update(weight_bytes=weight_bytes, flops_per_token=flops_per_token,
+                          head_flops_per_token=head_flops)
         res.limits["bound_tps_batch1"] = res.limits["bandwidth_GBps"] * 1e9 / weight_bytes
         res.limits["bound_tps_compute"] = res.limits["matmul_GFLOPs"] * 1e9 / flops_per_token
     finally:
@@ -377,7 +383,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the naive loop (bf16 on a CPU without bf16 arithmetic: minutes per cell)")
     ap.add_argument("--levers", action="store_true", help="also measure each engine lever off/on")
     ap.add_argument("--crop", action="store_true", help="also measure shift vs sliding past the window")
+    ap.add_argument("--render", metavar="JSON",
+                    help="write a saved run's tables again (limits recomputed from its measurements)")
     args = ap.parse_args(argv)
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        write_results(Path(args.render).with_suffix(""), *render(saved["meta"], load_results(saved)))
+        return 0
     # Every peer runs in a process of its own (bench/peers.py); this one only drives them.
     single_threaded_elsewhere()
     concs = [int(c) for c in args.concurrency.split(",")]
@@ -386,23 +398,53 @@ def main(argv: list[str] | None = None) -> int:
         run_shape(shape, dtype, concs, args)
         for shape in args.shapes.split(",") for dtype in args.dtypes.split(",")
     ]
-    from bench.levers import crop_runs, crop_table, lever_table
+    meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
+    crop = ""
+    if args.crop:
+        from bench.levers import crop_runs, crop_table
 
+        crop = "\n\nCropping past the window (10.7M, float32):\n\n" + crop_table(crop_runs())
+    payload, md = render(meta, results, crop)
+    print(md)
+    write_results(args.out, payload, md)
+    return 0
+
+
+def load_results(saved: dict[str, Any]) -> list[ShapeResult]:
+    """A saved run's results, its limits' model costs recomputed (older runs lack some)."""
+    results = []
+    for r in saved["results"]:
+        args = saved["meta"]["args"]
+        res = ShapeResult(r["shape"], r["dtype"], r["params"],
+                          r.get("prompt_tokens", args["prompt_tokens"]),
+                          r.get("new_tokens", args["new_tokens"] if r["shape"] == "10.7M"
+                                else max(4, args["new_tokens"] // 2)))
+        res.limits = dict(r["limits"])
+        costs = model_costs(GPTConfig(**SHAPES[r["shape"]]), DTYPES[r["dtype"]])
+        names = ("weight_bytes", "flops_per_token", "head_flops_per_token")
+        res.limits.update(zip(names, costs, strict=True))
+        res.runs = [Run(**{k: v for k, v in x.items() if k != "tps"}) for x in r["runs"]]
+        results.append(res)
+    return results
+
+
+def render(meta: dict[str, Any], results: list[ShapeResult], extra: str = "") -> tuple[dict[str, Any], str]:
+    """A run's JSON payload and its markdown: the table, the levers if run, `extra`, the limits."""
+    from bench.levers import lever_table
+
+    args = meta["args"]
     md = table(results)
-    if args.levers:
+    if args.get("levers"):
         md += "\n\nLevers (same run; ratio to the default engine at the same concurrency):\n\n"
         md += lever_table(results)
-    if args.crop:
-        md += "\n\nCropping past the window (10.7M, float32):\n\n" + crop_table(crop_runs())
-    print(md)
-    meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
+    md += extra
     payload = {"meta": meta, "results": [
         {"shape": r.shape, "dtype": r.dtype, "params": r.params, "limits": r.limits,
          "prompt_tokens": r.prompt_tokens, "new_tokens": r.new_tokens,
          "run_bound_tps": {c: r.bound_tps(c) for c in sorted({x.concurrency for x in r.runs})},
          "runs": [{**vars(x), "tps": x.tps} for x in r.runs]} for r in results]}
     header = (f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
-              f"{meta['machine']['torch']}, {args.threads} threads; {meta['utc']}; load before/after "
+              f"{meta['machine']['torch']}, {args['threads']} threads; {meta['utc']}; load before/after "
               f"{meta['load_before']} / {meta['load_after']}.\n\n")
     limits = "\n".join(
         f"- {r.shape} {r.dtype}: {r.limits['bandwidth_GBps']:.1f} GB/s read -> batch-1 bound "
@@ -412,11 +454,9 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"batch {c} {r.bound_tps(c):.0f}" for c in sorted({x.concurrency for x in r.runs}))
         + " tok/s" for r in results)
     explain = ("x / limit: the shortest time the run could take on these limits (the prompts' forward, "
-               "then one forward per further token, each the longer of reading the weights and "
-               "computing its tokens) over x's measured time.\n")
-    write_results(args.out, payload,
-                  header + md + "\n\nMeasured limits (same run):\n" + limits + "\n\n" + explain)
-    return 0
+               "its output layer for each sequence's last token only, then one forward per further token, "
+               "each the longer of reading the weights and computing its tokens) over x's measured time.\n")
+    return payload, header + md + "\n\nMeasured limits (same run):\n" + limits + "\n\n" + explain
 
 
 if __name__ == "__main__":
