@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from model.config import GPTConfig
+from model.file_pages import FilePages
 from model.gpt import GPT
 from model.tokenizer import Tokenizer, load_tokenizer
 
@@ -66,7 +67,14 @@ class Checkpoint:
         model.load_state_dict(self.state_dict, strict=False, assign=True)
         model.lm_head.weight = model.wte.weight  # re-tie after `assign` replaced wte.weight
         # Buffers-free model: every parameter came from the file, so nothing stays on "meta".
-        model = model.to(device=device, dtype=dtype or _DTYPES[self.dtype])
+        # Converted one tensor at a time, each one's file pages handed back once it is copied: a
+        # whole-model .to() held the mapped file and every converted copy at once.
+        pages = FilePages()
+        for param in model.parameters():  # a tied parameter once: it stays tied
+            old = param.data
+            param.data = old.to(device=device, dtype=dtype or _DTYPES[self.dtype])
+            if param.data.data_ptr() != old.data_ptr():
+                pages.release(old)
         return model.eval()
 
 

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from model.file_pages import FilePages
 from model.gpt import GPT, Block
-from service.engine.file_pages import FilePages
 from service.engine.kv_slots import SpanKVCache
 
 log = logging.getLogger(__name__)

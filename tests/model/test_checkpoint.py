@@ -53,6 +53,20 @@ def test_round_trip_gives_identical_logits(tmp_path: Path) -> None:
 
 
 @torch.no_grad()
+def test_a_converted_model_holds_the_converted_weights_tied(tmp_path: Path) -> None:
+    # build_model converts one tensor at a time (handing each one's file pages back): the result
+    # is what converting the whole state dict gives, and the output layer stays the embedding.
+    ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path / "a"))
+    model = ckpt.build_model(dtype=torch.bfloat16)
+    assert model.lm_head.weight is model.wte.weight
+    state = model.state_dict()
+    for name, tensor in ckpt.state_dict.items():
+        assert torch.equal(state[name], tensor.to(torch.bfloat16)), name
+    on_disk = load_file(str(tmp_path / "a" / "model.safetensors"))  # the paged-out source reads the same
+    assert all(torch.equal(ckpt.state_dict[name], t) for name, t in on_disk.items())
+
+
+@torch.no_grad()
 def test_bfloat16_weights_round_trip_in_bfloat16(tmp_path: Path) -> None:
     ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path / "a"))
     model = ckpt.build_model(dtype=torch.bfloat16)

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from service.engine.file_pages import FilePages
+from model.file_pages import FilePages
 
 
 def resident_kib(t: torch.Tensor) -> int:

@@ -1,13 +1,13 @@
-"""Giving back a mapped checkpoint file's pages as the native step copies its weights.
+"""Giving back a mapped checkpoint file's pages once its tensors have been copied.
 
 safetensors maps the checkpoint file: a tensor loaded from it is a view of the mapping, and every
-page read stays resident in this process while any tensor of the file lives. The native step
-copies (packs) every weight before the model lets go of them all, so until then the file's pages
-and the copies were both resident: a 124M float32 engine peaked at ~1.5 GiB at start-up against
-~0.9 steady. Once a weight's copy exists, its file pages are handed back (MADV_PAGEOUT: clean file
-pages are dropped, and read again from the file if anything touches them), so the peak stays
-near the steady size. Nothing is lost either way: memory that is not a file mapping is left
-alone, and the advice never changes what a page holds.
+page read stays resident in this process while any tensor of the file lives. Whoever copies the
+weights (a dtype or device conversion in `Checkpoint.build_model`, the serving engine's packed
+copies) would otherwise hold the file's pages and the copies at once until the last tensor of the
+file goes: a 124M float32 serving engine peaked at ~1.5 GiB at start-up against ~0.9 steady. Once
+a tensor's copy exists, its file pages are handed back (MADV_PAGEOUT: clean file pages are
+dropped, and read again from the file if anything touches them). Nothing is lost either way:
+memory that is not a file mapping is left alone, and the advice never changes what a page holds.
 """
 
 from __future__ import annotations
