@@ -241,10 +241,10 @@ def sample_tokens(
     not the whole vocabulary (at GPT-2's 50k tokens a full sort for top_p alone took 69 ms for 32
     rows). A row whose filtered support may reach past them (a flat distribution under top_p or
     min_p) goes to the whole vocabulary, a top_p row after trying WIDEN times as many when its
-    head leaves that possible (see _Head.may_fit). The
-    candidates are put back in vocabulary order, so inverse-CDF sampling picks the token the
-    whole-vocabulary path would (masked tokens add nothing to the CDF; up to float rounding at a
-    boundary): a row's result does not depend on the path its batch took.
+    head leaves that possible (_Head.may_fit). The candidates are put back in vocabulary order,
+    so inverse-CDF sampling picks the token the whole-vocabulary path would (masked tokens add
+    nothing to the CDF; up to float rounding at a boundary): a row's result does not depend on
+    the path its batch took.
     """
     logits = apply_penalties(logits, batch, seen, counts)
     greedy = logits.argmax(dim=-1)
