@@ -2,6 +2,7 @@
 vocabulary, and Hugging Face's logits warpers, on the same logits in one process.
 
     python bench/sampling.py [--rows 1,8,32] [--vocab 50257] [--out bench/results/sampling]
+    python bench/sampling.py --engine [--out bench/results/sampling-engine]
 
 The logits are synthetic, N(0, scale^2) per token, at scales from flat (a randomly initialised
 model's: nearly uniform over 50k tokens) to peaked; each table row gives the distribution's mean
@@ -12,7 +13,12 @@ Variants, alternating, median of `--steps` calls per round, best round kept:
   - whole vocabulary: `sample_tokens` with candidates off (every filter over all tokens);
   - HF: `transformers` warpers (TemperatureLogitsWarper, TopK/TopP/MinPLogitsWarper), softmax
     and `torch.multinomial`, as `generate(do_sample=True)` samples.
-Writes bench/results/sampling.json and sampling.md. Not a test: nothing here asserts a speed.
+With --engine instead: the engine itself at GPT-2's shape (124M random weights, the tied embedding
+scaled x`--scale` so the next-token distributions are peaked: ~1.7 nats and 0.87 of the mass in
+the top 64 at the first step at x4; x1 is nearly uniform), 32 sequences of 16 + 16 tokens, greedy
+and each sampling setting, best of 2 runs each: what sampling costs a whole step.
+Writes bench/results/sampling.json and sampling.md (or sampling-engine.*). Not a test: nothing
+here asserts a speed.
 """
 
 from __future__ import annotations
@@ -134,6 +140,33 @@ def run(rows_list: list[int], vocab: int, steps: int, rounds: int) -> list[dict[
     return out
 
 
+def run_engine(scale: float, conc: int) -> list[dict[str, Any]]:
+    from bench.engine import bench_engine, make_checkpoint, prompts_for
+
+    ckpt = make_checkpoint("124M", "float32")
+    ckpt.state_dict["wte.weight"] = ckpt.state_dict["wte.weight"] * scale
+    with torch.inference_mode():
+        logits = ckpt.build_model()(torch.tensor(prompts_for(ckpt, 8, 16)))[:, -1]
+    entropy, head = describe(logits)
+    prompts, out = prompts_for(ckpt, conc, 16), []
+    for setting, params in {"greedy": {"temperature": 0.0}, **SETTINGS}.items():
+        sampling = params if setting == "greedy" else {"temperature": 1.0, **params}
+        best = max((bench_engine(ckpt, conc, prompts, 16, params=sampling) for _ in range(2)),
+                   key=lambda r: r.tps)
+        out.append({"setting": setting, "tps": best.tps, "step_ms": best.step_ms, "entropy": entropy,
+                    "head_mass": head})
+        print(f"{setting:22s} {best.tps:7.1f} tok/s  step {best.step_ms:6.1f} ms", flush=True)
+    return out
+
+
+def engine_table(results: list[dict[str, Any]]) -> str:
+    greedy = results[0]["tps"]
+    lines = ["| setting | tok/s | step ms | / greedy |", "|---|---|---|---|"]
+    lines += [f"| {r['setting']} | {r['tps']:.0f} | {r['step_ms']:.1f} | {r['tps'] / greedy:.2f} |"
+              for r in results]
+    return "\n".join(lines)
+
+
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| rows | logits | entropy (nats) | mass of top 64 | setting | candidates ms | "
@@ -157,10 +190,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--out", default=str(RESULTS / "sampling"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--engine", action="store_true", help="the engine at 124M, greedy vs each setting")
+    ap.add_argument("--scale", type=float, default=4.0, help="--engine: the tied embedding's factor")
+    ap.add_argument("--concurrency", type=int, default=32)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_before": load_avg()}
+    if args.engine:
+        runs = run_engine(args.scale, args.concurrency)
+        meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
+        md = (f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
+              f"{meta['machine']['torch']}; {meta['utc']}; load before/after {meta['load_before']} / "
+              f"{meta['load_after']}. The engine, 124M random weights, embedding x{args.scale} (first-step "
+              f"entropy {runs[0]['entropy']:.1f} nats, top-64 mass {runs[0]['head_mass']:.2f}), "
+              f"{args.concurrency} x (16 + 16 tokens), temperature 1 unless greedy, best of 2.\n\n"
+              + engine_table(runs) + "\n")
+        print(md)
+        write_results(args.out or RESULTS / "sampling-engine", {"meta": meta, "results": runs}, md)
+        return 0
     results = run([int(r) for r in args.rows.split(",")], args.vocab, args.steps, args.rounds)
     meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
     md = (f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
@@ -169,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(best of {args.rounds} rounds' medians); every candidates pick equalled the whole "
           f"vocabulary's.\n\n" + table(results) + "\n")
     print(md)
-    write_results(args.out, {"meta": meta, "results": results}, md)
+    write_results(args.out or RESULTS / "sampling", {"meta": meta, "results": results}, md)
     return 0
 
 
