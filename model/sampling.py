@@ -247,10 +247,9 @@ def sample_tokens(
     the path its batch took.
     """
     logits = apply_penalties(logits, batch, seen, counts)
-    greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
-        return greedy
-    sampled = greedy.clone()
+        return logits.argmax(dim=-1)
+    sampled = torch.zeros(len(logits), dtype=torch.long, device=logits.device)
     pending, width, whole = (~batch.greedy).nonzero().view(-1), batch.candidates, []
     while len(pending) and width > 0 and width * 4 <= logits.shape[-1]:
         head = _Head(*_rows(logits, batch, pending), width)
@@ -260,11 +259,14 @@ def sample_tokens(
         hopeless = ~head.fits & ~head.may_fit(width)
         whole.append(pending[hopeless])
         pending = pending[~head.fits & ~hopeless]
-    rest = torch.cat([*whole, pending])
+    rest = torch.cat([*whole, pending]).sort().values  # in row order, as _rows takes them
     if len(rest):
         rest_logits, rows = _rows(logits, batch, rest)
         sampled[rest] = sample_from_logits(apply_filters(rest_logits, rows), rows.uniform)
-    return torch.where(batch.greedy, greedy, sampled)
+    greedy = batch.greedy.nonzero().view(-1)
+    if len(greedy):  # the argmax only for the rows that take it (a 50k-wide pass per row)
+        sampled[greedy] = logits[greedy].argmax(dim=-1)
+    return sampled
 
 
 def _rows(
@@ -288,11 +290,11 @@ class _Head:
         self.mass: torch.Tensor | None = None  # top_p rows: the head's probability mass
         self.last: torch.Tensor | None = None  # and its last token's probability
         fits = torch.zeros(len(logits), dtype=torch.bool, device=logits.device)
+        temperature = _temperature(batch)
         if batch.top_k is not None:
             fits |= (batch.top_k <= width).view(-1)  # top_k masks everything past them
         if batch.top_p is not None and not bool(fits.all()):
             # The mass of the tokens past the candidates, after temperature; none for top_k rows.
-            temperature = _temperature(batch)
             tail = (logits / temperature).scatter(-1, self.ids, float("-inf")).logsumexp(dim=-1, keepdim=True)
             self.tail = torch.where(fits.view(-1, 1), float("-inf"), tail)
             scaled = self.values / temperature
@@ -306,7 +308,7 @@ class _Head:
         if batch.min_p is not None:
             # min_p keeps tokens at least min_p times as likely as the most likely: if the last
             # candidate is not, no token past it is.
-            ratio = ((self.values[:, -1:] - self.values[:, :1]) / _temperature(batch)).exp()
+            ratio = ((self.values[:, -1:] - self.values[:, :1]) / temperature).exp()
             fits |= ((batch.min_p > 0) & (ratio < batch.min_p)).view(-1)
         self.fits = fits
 

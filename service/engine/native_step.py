@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,24 +118,28 @@ def capture_weights(model: GPT) -> list[torch.Tensor | None]:
 
     pages = FilePages()  # a checkpoint file's pages go back as each weight is copied
 
-    def copy(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    def copy(t: torch.Tensor | None, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
         if t is None:
             return None
-        out = t.detach().to(dtype or t.dtype, memory_format=torch.contiguous_format, copy=True)
+        out = make(t.detach())
         pages.release(t)
         return out
 
+    def same(t: torch.Tensor) -> torch.Tensor:
+        return t.to(memory_format=torch.contiguous_format, copy=True)
+
+    def small(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+
     def linear(module: nn.Linear) -> list[torch.Tensor | None]:
-        packed = pack_panels(module.weight.detach())
-        pages.release(module.weight)
-        return [packed, copy(module.bias, torch.float32)]
+        return [copy(module.weight, pack_panels), copy(module.bias, small)]
 
     def norm(module: nn.LayerNorm) -> list[torch.Tensor | None]:
-        return [copy(module.weight, torch.float32), copy(module.bias, torch.float32)]
+        return [copy(module.weight, small), copy(module.bias, small)]
 
     # A tied output layer is the embedding: decode.c reads the embeddings from its panels then.
     tied = model.lm_head.weight is model.wte.weight
-    w: list[torch.Tensor | None] = [None if tied else copy(model.wte.weight), copy(model.wpe.weight)]
+    w = [None if tied else copy(model.wte.weight, same), copy(model.wpe.weight, same)]
     blocks: list[Block] = list(model.h)  # type: ignore[arg-type]
     for block in blocks:
         attn, mlp = block.attn, block.mlp

@@ -314,3 +314,24 @@ async def test_the_runner_flags_rows_with_no_usable_distribution(
         assert [result.tokens[i] for i in (0, 1, 5)] == [3, 3, 3]
     else:
         assert 3 <= result.tokens[1] < 10 and result.tokens[5] != 0
+
+
+def test_rows_sent_to_the_whole_vocabulary_keep_their_own_draws() -> None:
+    # No greedy row; flat rows are given up on after 64 candidates (no head of 1024 could hold
+    # their nucleus), "shelf" rows (64 likely tokens, then a long plateau) try 1024 and miss: every
+    # row then takes the whole vocabulary, reached in an order that is not the rows' own, and each
+    # must still get the token its own logits and uniform number give.
+    v, n = 4096, 8
+    flat, shelf = torch.zeros(v), torch.full((v,), math.log(0.037))
+    shelf[:64] = 0.0
+    logits = torch.stack([shelf if i % 2 == 0 else flat for i in range(n)])
+    batch = SamplingBatch(
+        temperature=col([1.0] * n), greedy=torch.zeros(n, dtype=torch.bool),
+        uniform=torch.tensor([seeded_uniform(9, i) for i in range(n)], dtype=torch.float64),
+        top_p=col([0.9] * n), candidates=candidate_width(v, [v] * n, [0.9] * n, [0.0] * n, typical=False),
+    )
+    head = _Head(logits, batch, CANDIDATES)
+    assert not head.fits.any() and head.may_fit(CANDIDATES * 16).tolist() == [i % 2 == 0 for i in range(n)]
+    assert not _Head(logits, batch, CANDIDATES * 16).fits.any()
+    fast = sample_tokens(logits, batch)
+    assert torch.equal(fast, sample_tokens(logits, SamplingBatch(**{**vars(batch), "candidates": 0})))
