@@ -53,6 +53,9 @@ class LoadConfig:
     timeout_s: float = 120.0  # per request, connect to last byte
     disconnect_after: int | None = None  # close the stream after this many tokens (fault tests)
     read_delay_s: float = 0.0  # sleep after each event: a slow reader
+    # Each client sends its requests over one kept-alive connection, as an HTTP client's pool (the
+    # openai SDK's, httpx's, vLLM's benchmark) does; False: a new connection for every request.
+    keep_alive: bool = True
     # Called with the request's result after each token arrives (tests use it to act mid-stream).
     on_token: Callable[[RequestResult], None] | None = field(default=None, repr=False)
 
@@ -278,8 +281,28 @@ async def one_request(client: httpx.AsyncClient, config: LoadConfig, index: int)
     return result
 
 
-async def one_raw_request(config: LoadConfig, index: int) -> RequestResult:
-    """The same request over a plain asyncio connection (HTTP/1.1, one request per connection).
+class Connection:
+    """One client's HTTP/1.1 connection to the server, reused for its next request while the
+    server keeps it open (`LoadConfig.keep_alive`)."""
+
+    def __init__(self) -> None:
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def open(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        self.close()
+        self.reader, self.writer = await asyncio.open_connection(host, port)
+        return self.reader, self.writer
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+async def one_raw_request(config: LoadConfig, index: int, conn: Connection | None = None) -> RequestResult:
+    """The same request over a plain asyncio connection (HTTP/1.1): `conn`'s, kept open for the
+    client's next request when the response ended cleanly, or a new one closed afterwards.
 
     The load generator shares the machine's cores with the server it measures, so its own cost
     per streamed token is part of what a same-machine benchmark sees: through httpx (httpcore,
@@ -289,34 +312,56 @@ async def one_raw_request(config: LoadConfig, index: int) -> RequestResult:
     result = RequestResult(index=index)
     url = urlsplit(config.url)
     payload = json.dumps(body).encode()
+    keep = config.keep_alive and conn is not None
+    conn = conn or Connection()
     head = [f"POST {path} HTTP/1.1", f"Host: {url.netloc}", "Content-Type: application/json",
-            f"Content-Length: {len(payload)}", "Connection: close"]
+            f"Content-Length: {len(payload)}"] + ([] if keep else ["Connection: close"])
     head += [f"{k}: {v}" for k, v in _headers(config).items()]
+    message = "\r\n".join(head).encode() + b"\r\n\r\n" + payload
     t0 = time.perf_counter()
-    writer: asyncio.StreamWriter | None = None
+    reusable = False
     try:
         async with asyncio.timeout(config.timeout_s):
-            reader, writer = await asyncio.open_connection(url.hostname, url.port or 80)
-            writer.write("\r\n".join(head).encode() + b"\r\n\r\n" + payload)
-            status, headers = _parse_head(await reader.readuntil(b"\r\n\r\n"))
+            reader, raw = await _send(conn, url.hostname or "127.0.0.1", url.port or 80, message)
+            status, headers = _parse_head(raw)
             result.status = status
             result.request_id = headers.get("x-request-id")
+            framed = "chunked" in headers.get("transfer-encoding", "").lower() or "content-length" in headers
             if status != 200:
                 result.retry_after = headers.get("retry-after")
                 result.kind = _status_kind(status)
                 data = b"".join([chunk async for chunk in _body(reader, headers)])
                 result.error = data.decode("utf-8", "replace")[:500]
-                return result
-            await _read_stream(_lines(_body(reader, headers)), result, config, t0)
+            else:
+                await _read_stream(_lines(_body(reader, headers)), result, config, t0)
+            # Read to its end (not left mid-stream on purpose), and the server did not say close.
+            reusable = framed and result.kind != "disconnected" and headers.get("connection") != "close"
     except (OSError, EOFError, ValueError, TimeoutError, asyncio.LimitOverrunError) as e:
         # EOFError covers asyncio.IncompleteReadError: the peer closed mid-message.
         result.kind = "cut" if result.status == 200 else "transport"
         result.error = f"{type(e).__name__}: {e}"
     finally:
-        if writer is not None:
-            writer.close()
+        if not (keep and reusable):
+            conn.close()
         result.duration_s = time.perf_counter() - t0
     return result
+
+
+async def _send(conn: Connection, host: str, port: int,
+                message: bytes) -> tuple[asyncio.StreamReader, bytes]:
+    """Send `message` and read the response head, on `conn`'s open connection if it has one. A
+    kept connection the server has closed meanwhile (its idle timeout) fails before any byte of
+    a response: then once more on a new connection, as HTTP clients' pools do."""
+    if conn.reader is not None and conn.writer is not None:
+        try:
+            conn.writer.write(message)
+            return conn.reader, await conn.reader.readuntil(b"\r\n\r\n")
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            if isinstance(e, asyncio.IncompleteReadError) and e.partial:
+                raise
+    reader, writer = await conn.open(host, port)
+    writer.write(message)
+    return reader, await reader.readuntil(b"\r\n\r\n")
 
 
 def _headers(config: LoadConfig) -> dict[str, str]:
@@ -405,7 +450,8 @@ async def run_load(config: LoadConfig, client: httpx.AsyncClient | None = None) 
     raw = client is None and urlsplit(config.url).scheme == "http"
     own = client is None
     if client is None:
-        limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=0)
+        keepalive = config.concurrency if config.keep_alive else 0
+        limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=keepalive)
         client = httpx.AsyncClient(base_url=config.url, limits=limits)
     results: list[RequestResult] = []
     counter = iter(range(config.requests if config.requests is not None else sys.maxsize))
@@ -413,11 +459,15 @@ async def run_load(config: LoadConfig, client: httpx.AsyncClient | None = None) 
     deadline = None if config.duration_s is None else start + config.duration_s
 
     async def worker() -> None:
-        for index in counter:  # a shared iterator: each index is taken by exactly one worker
-            if deadline is not None and time.perf_counter() >= deadline:
-                return
-            results.append(await (one_raw_request(config, index) if raw
-                                  else one_request(client, config, index)))
+        conn = Connection()
+        try:
+            for index in counter:  # a shared iterator: each index is taken by exactly one worker
+                if deadline is not None and time.perf_counter() >= deadline:
+                    return
+                results.append(await (one_raw_request(config, index, conn) if raw
+                                      else one_request(client, config, index)))
+        finally:
+            conn.close()
 
     try:
         await asyncio.gather(*(worker() for _ in range(config.concurrency)))
@@ -462,6 +512,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[LoadConfig, argparse.Name
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--api-key", default=None)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--new-connections", action="store_true",
+                   help="a new connection for every request (default: each client keeps its own open)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--per-request", action="store_true", help="with --json: every request too")
     a = p.parse_args(argv)
@@ -471,6 +523,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[LoadConfig, argparse.Name
         duration_s=a.duration, route=a.route, model=a.model, prompt=a.prompt,
         max_new_tokens=a.max_new_tokens,
         temperature=a.temperature, seed=a.seed, api_key=a.api_key, timeout_s=a.timeout,
+        keep_alive=not a.new_connections,
     )
     return config, a
 

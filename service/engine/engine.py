@@ -23,6 +23,7 @@ from model.checkpoint import Checkpoint, load_checkpoint
 from model.tokenizer import Tokenizer, TokenizerError
 from service.engine.config import EngineConfig
 from service.engine.dtype_probe import SLOW_FACTOR, cpu_matmul_slowdown
+from service.engine.inbox import Inbox
 from service.engine.native_step import unavailable_reason as native_unavailable
 from service.engine.packed_linear import pack_linears, packed_linear_supported
 from service.engine.request import Request
@@ -211,7 +212,7 @@ class Engine:
             cropped=cropped,
             tokenizer=self.tokenizer,
             loop=loop,
-            queue=asyncio.Queue(),
+            queue=Inbox(loop),
             fault=self._fault_kind if self._fault_marker and self._fault_marker in text else None,
         )
         with self._cond:
@@ -357,4 +358,4 @@ class Engine:
 
 def _put_all(pairs: list[tuple[Request, TokenEvent]]) -> None:
     for req, event in pairs:
-        req.queue.put_nowait(event)
+        req.queue.put(event)

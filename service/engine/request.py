@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from model.tokenizer import Tokenizer
 from service.engine.detokenizer import IncrementalDecoder, StopMatcher
+from service.engine.inbox import Inbox
 from service.engine.types import FinishReason, SamplingParams, TokenEvent, TopToken, Usage
 
 
@@ -23,7 +24,7 @@ class Request:
     cropped: int
     tokenizer: Tokenizer
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[TokenEvent]
+    queue: Inbox[TokenEvent]
     fault: str | None = None  # "nan" / "raise" when the test-only fault injection targets it
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set from the event loop; read by the engine thread

@@ -198,3 +198,47 @@ async def test_raw_client_chat_and_disconnect() -> None:
     assert [(r.kind, r.tokens) for r in results] == [("ok", 4), ("cut", 4)]
     results = await run_raw([raw_sse(tgi_events(10))], requests=1, disconnect_after=3)
     assert [(r.kind, r.tokens) for r in results] == [("disconnected", 3)]
+
+
+async def test_raw_clients_keep_their_connection_open_across_requests() -> None:
+    # A server that keeps connections open: each client sends all its requests over one, and the
+    # requests say nothing of closing. With keep_alive off, one connection per request.
+    async def run(keep_alive: bool) -> tuple[list[str], int, list[bytes]]:
+        connections, heads = 0, []
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal connections
+            connections += 1
+            while head := await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b"":
+                heads.append(head)
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                await reader.readexactly(length)
+                writer.write(raw_sse(tgi_events(3)))
+                await writer.drain()
+                if b"Connection: close" in head:
+                    break
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            config = LoadConfig(url=f"http://127.0.0.1:{port}", concurrency=2, requests=6, timeout_s=10,
+                                keep_alive=keep_alive)
+            results = (await run_load(config)).results
+        return [r.kind for r in results], connections, heads
+
+    kinds, connections, heads = await run(keep_alive=True)
+    assert kinds == ["ok"] * 6 and connections == 2
+    assert not any(b"Connection: close" in h for h in heads)
+    kinds, connections, heads = await run(keep_alive=False)
+    assert kinds == ["ok"] * 6 and connections == 6
+    assert all(b"Connection: close" in h for h in heads)
+
+
+async def test_a_kept_connection_the_server_closed_is_replaced_without_an_error() -> None:
+    # run_raw's server closes every connection after one response (as a server's idle timeout
+    # does): each client's next request finds its kept connection closed and sends again on a
+    # new one; no request is reported as failed.
+    results = await run_raw([raw_sse(tgi_events(2))] * 6, concurrency=2, requests=6)
+    assert [r.kind for r in results] == ["ok"] * 6

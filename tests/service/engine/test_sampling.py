@@ -26,6 +26,7 @@ from model.sampling import (
     top_p_mask,
     typical_mask,
 )
+from service.engine.inbox import Inbox
 from service.engine.request import Request
 from service.engine.types import SamplingParams
 from tests.service.engine.conftest import EngineFactory, collect, token_ids
@@ -305,7 +306,7 @@ async def test_the_runner_flags_rows_with_no_usable_distribution(
     for slot in range(6):
         params = SamplingParams(temperature=temperature)
         loop = asyncio.get_running_loop()
-        req = Request("r", [1], params, slot, 0, lively.tokenizer, loop, asyncio.Queue())
+        req = Request("r", [1], params, slot, 0, lively.tokenizer, loop, Inbox(loop))
         req.slot = slot
         reqs.append(req)
     result = runner.sample(reqs, logits)

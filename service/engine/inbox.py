@@ -1,0 +1,50 @@
+"""A request's events on their way from the engine to the coroutine that streams them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Inbox(Generic[T]):
+    """Items in arrival order for one reader, on one event loop; unbounded.
+
+    What asyncio.Queue does for this one-writer, one-reader case, without the rest: its maxsize
+    checks, its deque of waiting getters and the `join()` bookkeeping every put pays for (it
+    clears an Event each time). Putting an event into each stream's queue was 16% of the event
+    loop's time while it streamed to 32 clients (py-spy --gil, 124 tokens a second per client).
+
+    Both methods run on the loop's thread only (the engine hands events over with
+    `call_soon_threadsafe`).
+    """
+
+    __slots__ = ("_items", "_loop", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._items: deque[T] = deque()
+        self._loop = loop
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: T) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # a reader cancelled meanwhile has no use for the wake-up
+                waiter.set_result(None)
+
+    async def get(self) -> T:
+        while not self._items:
+            waiter = self._waiter = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:  # cancelled before any put: forget it
+                    self._waiter = None
+        return self._items.popleft()
+
+    def __len__(self) -> int:
+        return len(self._items)
