@@ -67,8 +67,8 @@ class Completed:
 
 
 def route_template(request: Request) -> str:
-    route = request.scope.get("route")
-    return str(getattr(route, "path", request.url.path))
+    path = getattr(request.scope.get("route"), "path", None)
+    return str(path) if path is not None else request.url.path  # (building the URL costs ~10 us)
 
 
 async def start_generation(

@@ -35,15 +35,14 @@ KEEPALIVE = b": keep-alive\n\n"
 
 def sse_event(data: str | Mapping[str, Any] | BaseModel, event: str | None = None) -> bytes:
     """One SSE event. Strings are sent as they are (e.g. `[DONE]`); the rest as compact JSON."""
-    if isinstance(data, BaseModel):
-        text = data.model_dump_json()
-    elif isinstance(data, str):
-        text = data
-    else:  # pydantic's serializer here too: a plain dict renders exactly as the same model would
-        text = to_json(data).decode()
-    # A newline inside data would end the field early; JSON never has one, raw strings might.
-    lines = "".join(f"data: {line}\n" for line in text.split("\n"))
-    return (f"event: {event}\n" if event else "").encode() + lines.encode() + b"\n"
+    head = f"event: {event}\n".encode() if event else b""
+    if isinstance(data, str):
+        # A newline inside data would end the field early: one `data:` line per line.
+        return head + "".join(f"data: {line}\n" for line in data.split("\n")).encode() + b"\n"
+    # JSON never holds a raw newline: one line, as bytes straight from the serializer (pydantic's
+    # for a plain dict too, so it renders exactly as the same model would).
+    payload = data.model_dump_json().encode() if isinstance(data, BaseModel) else to_json(data)
+    return head + b"data: " + payload + b"\n\n"
 
 
 def sse_error(message: str, code: str, status: int = 500) -> bytes:

@@ -19,6 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from service.engine.types import EngineStats, FinishReason, TokenEvent, Usage
 from service.metrics import Metrics
+from service.metrics.http import RouteTemplates, match_route
 from tests.conftest import require_tool
 
 
@@ -288,6 +289,25 @@ async def test_http_requests_counted_by_route_template_and_status_and_in_flight_
         # The series exists (the request was in flight under that label) and is back to zero.
         assert m.registry.get_sample_value("nanoserve_http_requests_in_flight", {"route": route}) == 0
     assert finished_by_reason(m, "/stream")["length"] == 1
+
+
+def test_route_templates_remember_only_the_apps_own_static_paths() -> None:
+    app = app_with_metrics(Metrics())
+    templates = RouteTemplates(app.routes)
+
+    def scope(method: str, path: str) -> dict[str, object]:
+        return {"type": "http", "method": method, "path": path, "root_path": "", "headers": []}
+
+    asked = [("GET", "/boom"), ("GET", "/items/7"), ("GET", "/items/8"), ("POST", "/items/7"),
+             ("GET", "/no/such/path"), ("POST", "/stream"), ("GET", "/stream")]
+    for _ in range(2):  # the second round is answered from memory where it may be
+        for method, path in asked:
+            assert templates(scope(method, path)) == match_route(app.routes, scope(method, path))
+    assert templates(scope("GET", "/items/7")) == "/items/{item_id}"
+    assert templates(scope("GET", "/stream")) == "/stream"  # the wrong method: still its template (a 405)
+    assert templates(scope("GET", "/no/such/path")) is None
+    # Kept: /boom and /stream (both methods); not the item paths nor the made-up one.
+    assert len(templates) == 3
 
 
 @pytest.mark.system_tool

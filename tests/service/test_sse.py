@@ -60,3 +60,14 @@ async def test_a_slow_send_gets_one_ping_at_a_time() -> None:
     assert body.count(events[0]) == 1
     assert 1 <= body.count(KEEPALIVE) <= 3, body
     assert total == len(body) + 2
+
+
+def test_sse_event_shapes() -> None:
+    from service.sse import sse_event
+
+    # Text as it is, a line per `data:` field so a newline cannot end the field early.
+    assert sse_event("[DONE]") == b"data: [DONE]\n\n"
+    assert sse_event("a\nb", event="note") == b"event: note\ndata: a\ndata: b\n\n"
+    # JSON on one line (a newline in a string is escaped); a dict as its model would render.
+    assert sse_event({"text": "x\ny", "n": 1}) == b'data: {"text":"x\\ny","n":1}\n\n'
+    assert sse_event({"error": {"code": "c"}}, event="error") == b'event: error\ndata: {"error":{"code":"c"}}\n\n'
