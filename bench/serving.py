@@ -9,8 +9,10 @@ sampled at temperature 1 with a seed per request) run twice, alternating, `--rep
     bench/load.py from this process.
 Reports generated tokens/s both ways and the ratio (best against best, and run by run), time
 to first token p50/p99 both ways (from the request's submission: queueing and prefill count),
-and the CPU the load generator itself used: it shares the machine's cores with the server, so
-it is part of the HTTP cost here.
+and the CPU per generated token of the HTTP server's event loop (its main thread, from /proc)
+and of the load generator: both share the machine's two cores with the engine's threads, so
+they are what HTTP costs here. Each client keeps its connection open across its requests, as
+HTTP clients' pools do (`bench/load.py --new-connections` measures one per request).
 Writes bench/results/serving.json and serving.md. Not a test: nothing here asserts a speed.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -96,9 +99,10 @@ def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str)
             return run_loop(run_load(config))
 
         load(conc)  # warm-up, as in-process
-        cpu0 = time.process_time()
+        cpu0, loop0 = time.process_time(), thread_cpu_s(server.process.pid)
         report = load(requests)
         client_cpu = time.process_time() - cpu0
+        loop_cpu = thread_cpu_s(server.process.pid) - loop0
         threads = httpx.get(f"{server.base_url}/info", timeout=10).json()["engine"]
     threads_by_size = threads.get("cpu_threads_by_forward_size")
     summary = report.summary()
@@ -106,7 +110,17 @@ def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str)
         raise RuntimeError(f"not every request completed: {summary['outcomes']}")
     return {"tokens": summary["tokens_generated"], "wall_s": summary["wall_s"],
             "tokens_per_s": summary["tokens_per_s"], "ttft_s": summary["ttft_s"],
-            "client_cpu_share": client_cpu / summary["wall_s"], "threads_by_size": threads_by_size}
+            "client_cpu_share": client_cpu / summary["wall_s"], "threads_by_size": threads_by_size,
+            "client_us_per_token": 1e6 * client_cpu / summary["tokens_generated"],
+            "loop_us_per_token": 1e6 * loop_cpu / summary["tokens_generated"]}
+
+
+def thread_cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU seconds (user + system) thread `tid` of process `pid` has used: its main thread, which
+    runs a server's event loop, by default. Linux (/proc)."""
+    stat = Path(f"/proc/{pid}/task/{tid or pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()  # after the name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,8 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         + f"\n\nHTTP / in-process throughput: {ratio:.2f} (best against best); run by run "
         f"(each HTTP run over the in-process run just before it): "
-        f"{', '.join(f'{p:.2f}' for p in pairs)}, median {statistics.median(pairs):.2f}. The load "
-        f"generator (same machine) used {best['http']['client_cpu_share']:.0%} of one core while it ran.\n"
+        f"{', '.join(f'{p:.2f}' for p in pairs)}, median {statistics.median(pairs):.2f}.\n\n"
+        f"CPU per generated token through HTTP (median of the runs): the server's event loop "
+        f"{statistics.median(r['loop_us_per_token'] for r in runs['http']):.0f} us, the load generator "
+        f"(same machine) {statistics.median(r['client_us_per_token'] for r in runs['http']):.0f} us "
+        f"({best['http']['client_cpu_share']:.0%} of one core in the best run). Both run beside the "
+        f"engine's threads on the same cores.\n"
     )
     print(md)
     write_results(args.out, {"meta": meta, "runs": runs, "ratio": ratio, "run_ratios": pairs}, md)

@@ -13,13 +13,13 @@ import json
 import logging
 import re
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.engine.ids import new_id
 from service.engine.types import TokenEvent
 
 log = logging.getLogger("nanoserve.access")
@@ -102,7 +102,7 @@ class RequestContextMiddleware:
             return
         arrival = time.perf_counter()
         incoming = _header(scope, b"x-request-id")
-        request_id = incoming if incoming and _REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        request_id = incoming if incoming and _REQUEST_ID.match(incoming) else new_id()
         record = RequestRecord(request_id, scope["method"], scope["path"], arrival)
         state = scope.setdefault("state", {})
         state.update(arrival=arrival, request_id=request_id, access=record)

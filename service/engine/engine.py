@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import threading
 import time
-import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from model.checkpoint import Checkpoint, load_checkpoint
 from model.tokenizer import Tokenizer, TokenizerError
 from service.engine.config import EngineConfig
 from service.engine.dtype_probe import SLOW_FACTOR, cpu_matmul_slowdown
+from service.engine.ids import new_id, new_seed
 from service.engine.inbox import Inbox
 from service.engine.native_step import unavailable_reason as native_unavailable
 from service.engine.packed_linear import pack_linears, packed_linear_supported
@@ -180,7 +179,7 @@ class Engine:
     ) -> GenerationStream:
         """Validate and queue; raises Overloaded / NotReady / InvalidRequest / PromptTooLong."""
         try:
-            return self._submit(prompt, params, request_id or uuid.uuid4().hex)
+            return self._submit(prompt, params, request_id or new_id())
         except EngineError as e:
             self._safe(self.observer.on_rejected, e.code)
             raise
@@ -208,7 +207,7 @@ class Engine:
             request_id=request_id,
             prompt_ids=kept,
             params=params,
-            seed=params.seed if params.seed is not None else secrets.randbits(63),
+            seed=params.seed if params.seed is not None else new_seed(),
             cropped=cropped,
             tokenizer=self.tokenizer,
             loop=loop,

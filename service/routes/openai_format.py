@@ -9,12 +9,12 @@ every token's logprob is still reported exactly once.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from model.tokenizer import Tokenizer
+from service.engine.ids import new_id
 from service.engine.types import FinishReason, TokenEvent
 from service.schemas.openai import (
     AssistantMessage,
@@ -60,7 +60,7 @@ class Reply:
 
     @classmethod
     def new(cls, prefix: str, model: str, tokenizer: Tokenizer) -> Reply:
-        return cls(model=model, tokenizer=tokenizer, id=f"{prefix}-{uuid.uuid4().hex}")
+        return cls(model=model, tokenizer=tokenizer, id=f"{prefix}-{new_id()}")
 
     def piece(self, token_id: int | None) -> str:
         return "" if token_id is None else self.tokenizer.id_to_piece(token_id)

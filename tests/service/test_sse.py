@@ -70,4 +70,5 @@ def test_sse_event_shapes() -> None:
     assert sse_event("a\nb", event="note") == b"event: note\ndata: a\ndata: b\n\n"
     # JSON on one line (a newline in a string is escaped); a dict as its model would render.
     assert sse_event({"text": "x\ny", "n": 1}) == b'data: {"text":"x\\ny","n":1}\n\n'
-    assert sse_event({"error": {"code": "c"}}, event="error") == b'event: error\ndata: {"error":{"code":"c"}}\n\n'
+    error = sse_event({"error": {"code": "c"}}, event="error")
+    assert error == b'event: error\ndata: {"error":{"code":"c"}}\n\n'
