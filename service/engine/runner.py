@@ -241,7 +241,8 @@ class ModelRunner:
         if all(r.params.temperature == 0 and not _uses_penalties(r) for r in reqs):
             tokens = greedy  # what sample_tokens returns for such a batch, without building one
         else:
-            logits = torch.where(torch.isfinite(top).view(-1, 1), logits, 0.0)
+            if not all(finite):  # rows without a distribution sample from zeros (then flagged)
+                logits = torch.where(torch.isfinite(top).view(-1, 1), logits, 0.0)
             batch = self._batch(reqs)
             slots = torch.tensor([r.slot for r in reqs], device=self.device)
             penal = batch.repetition_penalty is not None or batch.frequency_penalty is not None
@@ -280,6 +281,7 @@ class ModelRunner:
                 [seeded_uniform(r.seed, len(r.generated)) for r in reqs], dtype=torch.float64, device=dev
             ),
             all_greedy=all(t == 0 for t in temps),
+            any_greedy=any(t == 0 for t in temps),
         )
         # Greedy rows ignore top_k: k = 1 lets an all-top-k batch take the candidates-only path.
         ks = [1 if p.temperature == 0 else (p.top_k or self.vocab) for p in ps]

@@ -15,6 +15,7 @@ from model.sampling import (
     SamplingBatch,
     _Head,
     apply_additive_penalties,
+    apply_filters,
     apply_repetition_penalty,
     candidate_width,
     min_p_mask,
@@ -336,3 +337,28 @@ def test_rows_sent_to_the_whole_vocabulary_keep_their_own_draws() -> None:
     assert not _Head(logits, batch, CANDIDATES * 16).fits.any()
     fast = sample_tokens(logits, batch)
     assert torch.equal(fast, sample_tokens(logits, SamplingBatch(**{**vars(batch), "candidates": 0})))
+
+
+def test_a_batch_with_no_greedy_row_takes_the_short_path_to_the_same_tokens() -> None:
+    # The runner marks batches without a greedy row (any_greedy False); with no candidates to try
+    # (a small vocabulary, or typical_p) they skip the index bookkeeping. Each row must still
+    # get what the general path gives it, filters and its own uniform number included.
+    for v, typical in ((65, False), (65, True), (4096, True)):
+        n = 7
+        logits = rows(n, v, seed=v) / 2
+        kw = dict(
+            temperature=col([0.7, 1.0, 1.3, 1.0, 0.5, 2.0, 1.0]), greedy=torch.zeros(n, dtype=torch.bool),
+            uniform=torch.tensor([seeded_uniform(3, i) for i in range(n)], dtype=torch.float64),
+            top_k=torch.tensor([[5], [v], [v], [v], [3], [v], [v]]), top_k_max=v,
+            top_p=col([1.0, 0.9, 1.0, 0.5, 1.0, 1.0, 1.0]), min_p=col([0.0, 0.0, 0.1, 0.0, 0.0, 0.0, 0.0]),
+            typical_p=col([1.0] * 6 + [0.8]) if typical else None,
+            candidates=0 if typical else candidate_width(
+                v, [5, v, v, v, 3, v, v], [1.0, 0.9, 1, 0.5, 1, 1, 1], [0, 0, 0.1, 0, 0, 0, 0],
+                typical=False),
+        )
+        short = sample_tokens(logits.clone(), SamplingBatch(**kw, any_greedy=False))  # type: ignore[arg-type]
+        general = sample_tokens(logits.clone(), SamplingBatch(**kw))  # type: ignore[arg-type]
+        assert torch.equal(short, general), (v, typical)
+        for i in range(n):  # and what the row alone would draw
+            alone = SamplingBatch(**kw).rows(torch.tensor([i]))  # type: ignore[arg-type]
+            assert short[i] == sample_from_logits(apply_filters(logits[i : i + 1], alone), alone.uniform)
