@@ -12,7 +12,7 @@ LEVERS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("KV cache bfloat16", {"kv_cache_dtype": "bfloat16"}, {}),
     ("deterministic=True", {"deterministic": True}, {}),
     ("sample top_k=40 top_p=0.95", {}, {"temperature": 1.0, "top_k": 40, "top_p": 0.95}),
-    ("sample top_p=0.95 (full sort)", {}, {"temperature": 1.0, "top_p": 0.95}),
+    ("sample top_p=0.95, no top_k", {}, {"temperature": 1.0, "top_p": 0.95}),
 ]
 
 
