@@ -176,7 +176,8 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     _include_routers(app)
     install_openapi(app)
     # add_middleware wraps: the last one added is the outermost.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
+                       timeout_s=settings.body_timeout)
     app.add_middleware(DrainGate, is_draining=app.state.lifecycle.is_draining)
     app.add_middleware(HeaderLimitMiddleware, max_bytes=settings.max_header_bytes,
                        max_count=settings.max_headers)

@@ -1,11 +1,14 @@
-"""Limits applied before a route runs: header size (431), body size (413) and draining (503).
+"""Limits applied before a route runs: header size (431), body size (413), body time (408) and
+draining (503).
 
-Both are ASGI middleware rather than dependencies so they cover every route, including the ones
-other modules add, and so an over-long body is refused while it streams in, not after buffering it.
+All are ASGI middleware rather than dependencies so they cover every route, including the ones
+other modules add, and so an over-long or trickling body is refused while it streams in, not after
+buffering it.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -46,15 +49,28 @@ class HeaderLimitMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Refuse request bodies larger than `max_bytes` with 413, by Content-Length or while reading."""
+    """Refuse a request body larger than `max_bytes` (413) or not complete `timeout_s` seconds
+    after the request's headers arrived (408).
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    The size is checked against Content-Length first and counted as the body arrives. The time
+    limit is what a reverse proxy's body read timeout does: without it a client that sends
+    headers and then a byte now and then holds a connection, and an in-flight request in the
+    metrics, for as long as it likes. Once the body is complete, later receives (the routes wait
+    on them to see a client disconnect) have no deadline.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     def _too_large(self) -> APIError:
         return APIError(413, f"request body exceeds the server's limit of {self.max_bytes} bytes",
                         code="body_too_large")
+
+    def _too_slow(self) -> APIError:
+        return APIError(408, f"the request body was not complete within {self.timeout_s:g} s",
+                        code="body_timeout", headers={"Connection": "close"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -66,12 +82,24 @@ class BodyLimitMiddleware:
                 await error_response(413, exc.message, code=exc.code)(scope, receive, send)
                 return
         seen = 0
+        complete = False
+        # On the event loop's clock, from when the headers were parsed (this middleware runs then).
+        deadline = None if self.timeout_s is None else asyncio.get_running_loop().time() + self.timeout_s
 
         async def counting_receive() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete
+            if complete or deadline is None:
+                message = await receive()
+            else:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        message = await receive()
+                except TimeoutError:
+                    # Raised inside FastAPI's body parsing, as the 413 below.
+                    raise self._too_slow() from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                complete = complete or not message.get("more_body", False)
                 if seen > self.max_bytes:
                     # Raised inside FastAPI's body parsing, which re-raises HTTPExceptions as they are.
                     raise self._too_large()

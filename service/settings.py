@@ -87,6 +87,9 @@ class Settings(BaseSettings):
     max_stop_sequences: int = Field(default=8, ge=0, description="Stop strings allowed per request.")
     max_top_n_tokens: int = Field(default=5, ge=0, description="Cap on top_n_tokens / top_logprobs.")
     max_body_bytes: int = Field(default=1 << 20, ge=1024, description="Larger request bodies get 413.")
+    body_timeout: float = Field(
+        default=30.0, gt=0, description="Seconds a body may take after its headers; then 408."
+    )
     max_header_bytes: int = Field(
         default=32 << 10, ge=1024, description="Request headers larger in total get 431."
     )

@@ -7,7 +7,10 @@ origin and debug logging; the `shared` server has neither keys nor CORS.
 
 from __future__ import annotations
 
+import json
 import re
+import socket
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -109,6 +112,30 @@ def test_oversized_headers_are_refused(client: httpx.Client) -> None:
     assert r.status_code == 431
     assert "headers, more than the limit of 100" in r.json()["error"]["message"]
     assert client.get("/health").status_code == 200
+
+
+def test_a_trickling_body_gets_408_and_its_connection_closed(fleet: dict[str, ServerProcess]) -> None:
+    # The "raise" server's body timeout is 2 s. Twenty clients send their headers and one byte of
+    # a 100-byte body, then nothing: each must be answered 408 and closed, none left in flight.
+    server = fleet["raise"]
+    head = (b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{")
+    socks = [socket.create_connection(("127.0.0.1", server.port), timeout=20) for _ in range(20)]
+    start = time.monotonic()
+    for s in socks:
+        s.sendall(head)
+    for s in socks:
+        data = b""
+        while chunk := s.recv(65536):  # to the server's close
+            data += chunk
+        s.close()
+        status, _, body = data.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 408"), data[:200]
+        assert json.loads(body)["error"]["code"] == "body_timeout"
+    assert time.monotonic() - start < 15
+    in_flight = re.search(r'nanoserve_http_requests_in_flight\{route="/generate"\} (\S+)',
+                          httpx.get(server.base_url + "/metrics", timeout=10).text)
+    assert in_flight is not None and float(in_flight.group(1)) == 0
 
 
 def test_untrusted_input_is_never_echoed_as_html(client: httpx.Client) -> None:
