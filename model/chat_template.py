@@ -10,7 +10,7 @@ A message's optional `name` replaces its role's speaker name, so a chat can cast
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 
@@ -39,3 +39,37 @@ def render_chat(
 def template_stop_sequences(template: Mapping[str, Any]) -> list[str]:
     """Stop strings that end the assistant's turn under this template."""
     return list(template.get("stop", []))
+
+
+def fit_chat(
+    template: Mapping[str, Any], messages: Sequence[Mapping[str, Any]], fits: Callable[[str], bool]
+) -> tuple[str, int]:
+    """The conversation rendered with as few of its oldest turns dropped as make `fits` accept it:
+    (text, messages dropped).
+
+    System messages and the last message are never dropped: cropping the rendered text from the
+    left (what a model's window otherwise forces) would lose the system prompt first, the part of
+    a conversation meant to hold throughout. When even the system messages and the last message
+    do not fit, nothing is dropped: the caller crops the whole text from the left, which keeps
+    the most recent context. `fits` must accept any text shorter than one it accepts (the count
+    of dropped turns is found by bisection).
+    """
+    text = render_chat(template, messages)
+    if fits(text):
+        return text, 0
+    droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
+
+    def without(k: int) -> str:  # the k oldest droppable messages left out
+        gone = set(droppable[:k])
+        return render_chat(template, [m for i, m in enumerate(messages) if i not in gone])
+
+    if not droppable or not fits(without(len(droppable))):
+        return text, 0
+    lo, hi = 1, len(droppable)  # fits(without(hi)) holds; find the smallest such count
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(without(mid)):
+            hi = mid
+        else:
+            lo = mid + 1
+    return without(lo), lo

@@ -8,17 +8,19 @@ server limits, an unknown model (404), a prompt the tokenizer cannot represent, 
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from model.chat_template import ChatTemplateError, render_chat, template_stop_sequences
+from model.chat_template import ChatTemplateError, fit_chat, render_chat, template_stop_sequences
 from service.deps import EngineDep, SettingsDep
 from service.engine.types import SamplingParams
 from service.errors import APIError
-from service.generation import Generation, check_limits, collect, start_generation
+from service.generation import Generation, check_limits, collect, encode, start_generation
 from service.routes.openai_format import (
     DONE,
     ChatChunks,
@@ -91,9 +93,32 @@ def _sampling_params(body: GenerationRequest, settings: Settings, *, max_tokens:
     )
 
 
-def _sse(gen: Generation, render: Render, settings: Settings) -> Response:
+def _sse(gen: Generation, render: Render, settings: Settings,
+         headers: Mapping[str, str] | None = None) -> Response:
     return event_stream(gen.events, render, keepalive_s=settings.keepalive_interval, on_close=gen.aclose,
-                        trailer=[DONE])
+                        trailer=[DONE], headers=headers)
+
+
+DROPPED_HEADER = "X-Nanoserve-Dropped-Messages"
+
+
+async def _fit_window(engine: Any, template: Mapping[str, Any], messages: list[dict[str, str | None]],
+                      prompt: str, max_new: int) -> tuple[str | list[int], int]:
+    """The prompt to generate from (its ids when it is used as rendered) and how many of the
+    conversation's oldest turns were left out so it leaves the reply room in the window: up to a
+    quarter of the window, or `max_new` if less. System messages and the last message stay
+    (model/chat_template.py fit_chat); with reject_long_prompts nothing is dropped (too long is a
+    422, as for any prompt)."""
+    ids = await encode(engine, prompt, "messages")
+    budget = engine.window - min(max_new, engine.window // 4)
+    if len(ids) <= budget or engine.config.reject_long_prompts:
+        return ids, 0
+
+    def fits(text: str) -> bool:
+        return len(engine.encode(text)) <= budget
+
+    # Several encodes of a long conversation: off the event loop.
+    return await asyncio.to_thread(fit_chat, template, messages, fits)
 
 
 @router.get("/models", response_model=ModelList)
@@ -145,23 +170,29 @@ async def completions(body: CompletionRequest, request: Request, engine: EngineD
 
 
 @router.post("/chat/completions", response_model=ChatCompletionResponse, responses=_SSE_DOC)
-async def chat_completions(body: ChatCompletionRequest, request: Request, engine: EngineDep,
-                           settings: SettingsDep) -> Response | ChatCompletionResponse:
-    """The assistant's next message, with the checkpoint's chat template applied."""
+async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response,
+                           engine: EngineDep, settings: SettingsDep) -> Response | ChatCompletionResponse:
+    """The assistant's next message, with the checkpoint's chat template applied. A conversation
+    longer than the window loses its oldest turns, never its system messages or its last message
+    (the count is in the X-Nanoserve-Dropped-Messages header)."""
     model = _served_model(engine, body.model)
     template = engine.checkpoint.chat_template
+    messages = [m.for_template() for m in body.messages]
     try:
-        prompt = render_chat(template, [m.for_template() for m in body.messages])
+        prompt = render_chat(template, messages)
     except ChatTemplateError as e:
         raise APIError(422, str(e), code="invalid_message", param="messages") from None
     top_n = body.top_logprobs or 0
     params = _sampling_params(body, settings, max_tokens=body.token_limit(), logprobs=body.logprobs,
                               top_n=top_n, extra_stop=template_stop_sequences(template))
-    gen = await start_generation(request, engine, prompt, params, param="messages")
+    fitted, dropped = await _fit_window(engine, template, messages, prompt, params.max_new_tokens)
+    headers = {DROPPED_HEADER: str(dropped)} if dropped else {}
+    gen = await start_generation(request, engine, fitted, params, param="messages")
     reply = Reply.new("chatcmpl", model, engine.tokenizer)
     if body.stream:
         render = ChatChunks(reply, body.logprobs, body.include_usage())
-        return _sse(gen, render, settings)
+        return _sse(gen, render, settings, headers)
+    response.headers.update(headers)
     done = await collect(request, gen)
     logprobs: list[TokenLogprob] | None = None
     if body.logprobs:

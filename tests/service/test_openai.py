@@ -137,6 +137,39 @@ def test_chat_applies_the_template_and_its_stop(
     assert out.usage is not None and out.usage.prompt_tokens == len(checkpoint.tokenizer.encode(prompt))
 
 
+def test_a_chat_longer_than_the_window_loses_its_oldest_turns_not_its_system_prompt(
+    client: openai.OpenAI, checkpoint: Checkpoint, greedy: Callable[[str, int], str]
+) -> None:
+    window, max_tokens = checkpoint.config.block_size, 8
+    budget = window - min(max_tokens, window // 4)  # room left for the reply (routes/openai.py)
+    system = {"role": "system", "content": "Be brief."}
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"line {i} of the talk"}
+             for i in range(9)]
+    messages = [system, *turns]
+    template, tok = checkpoint.chat_template, checkpoint.tokenizer
+    assert len(tok.encode(render_chat(template, messages))) > window  # the whole talk does not fit
+
+    for stream in (False, True):
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny-test", messages=messages, max_tokens=max_tokens, temperature=0,  # type: ignore[arg-type]
+            stream=stream, **({"stream_options": {"include_usage": True}} if stream else {}))
+        dropped = int(raw.headers["x-nanoserve-dropped-messages"])
+        prompt = render_chat(template, [system, *turns[dropped:]])
+        assert len(tok.encode(prompt)) <= budget  # fits, with the system prompt first
+        fewer = render_chat(template, [system, *turns[dropped - 1 :]])
+        assert len(tok.encode(fewer)) > budget  # no more turns dropped than needed
+        expected = greedy(prompt, max_tokens).split("\n\n")[0]
+        if stream:
+            chunks = list(raw.parse())
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            usage = chunks[-1].usage
+        else:
+            out = raw.parse()
+            text, usage = out.choices[0].message.content, out.usage
+        assert text == expected  # the model read exactly the fitted conversation
+        assert usage is not None and usage.prompt_tokens == len(tok.encode(prompt))
+
+
 def test_chat_stream_shape(client: openai.OpenAI) -> None:
     args: dict[str, Any] = {"model": "tiny-test", "messages": [{"role": "user", "content": "Speak"}],
                             "max_tokens": 15, "temperature": 0.9, "seed": 7, "stop": "\n"}
