@@ -1,0 +1,115 @@
+"""The examples in docs/http.md and docs/openai.md, run: each request is read from the doc itself
+and sent, and what the doc shows (fields, values, error texts) must be what comes back."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.service.asgi import asgi_client
+from tests.service.conftest import OPENAI_API_KEY
+from tests.service.server import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+CKPT = ROOT / "checkpoints" / "shakespeare-char"
+HTTP = (ROOT / "docs" / "http.md").read_text(encoding="utf-8")
+OPENAI = (ROOT / "docs" / "openai.md").read_text(encoding="utf-8")
+
+
+def fenced(doc: str) -> list[tuple[str, str]]:
+    """(language, text) of each fenced block, in order."""
+    out, lang, lines = [], None, []  # type: ignore[var-annotated]
+    for line in doc.split("\n"):
+        if line.startswith("```"):
+            if lang is None:
+                lang, lines = line[3:].strip(), []
+            else:
+                out.append((lang, "\n".join(lines) + "\n"))
+                lang = None
+        elif lang is not None:
+            lines.append(line)
+    return out
+
+
+def blocks(doc: str, lang: str) -> list[str]:
+    return [text for kind, text in fenced(doc) if kind == lang]
+
+
+def curl_body(command: str) -> tuple[str, dict]:  # type: ignore[type-arg]
+    route = re.search(r"127\.0\.0\.1:8000(/\S+)", command)
+    body = re.search(r"-d '(\{.*?\})'", command, re.S)
+    assert route and body, f"a doc example this test cannot read: {command[:80]!r}"
+    return route.group(1), json.loads(body.group(1))
+
+
+def keys(shown: str, after: str) -> list[str]:
+    """The field names the doc shows in the JSON object that follows `after`."""
+    obj = shown.split(after, 1)[1] if after else shown
+    depth, names = 0, []
+    for m in re.finditer(r'[{}\[\]]|"(\w+)":', obj):
+        if m.group(0) in "{[":
+            depth += 1
+        elif m.group(0) in "}]":
+            depth -= 1
+            if depth == 0:
+                break
+        elif depth == 1:
+            names.append(m.group(1))
+    return names
+
+
+async def test_the_native_examples_answer_as_the_doc_shows() -> None:
+    generate, stream = [b for b in blocks(HTTP, "bash") if "curl" in b]
+    shown_json = blocks(HTTP, "json")[0]
+    shown_stream = next(b for b in blocks(HTTP, "") if b.startswith("data: "))
+    async with asgi_client(CKPT) as client:
+        route, body = curl_body(generate)
+        r = await client.post(route, json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert list(out) == keys(shown_json, "") == ["generated_text", "details"]
+        assert list(out["details"]) == keys(shown_json, '"details": ')
+        for field in ("finish_reason", "generated_tokens", "prompt_tokens", "cropped_tokens", "seed"):
+            shown = re.search(rf'"{field}": ("?\w+"?)', shown_json)
+            assert shown and out["details"][field] == json.loads(shown.group(1)), field
+        assert list(out["details"]["tokens"][0]) == keys(shown_json, '"tokens": [')
+
+        route, body = curl_body(stream)
+        r = await client.post(route, json=body)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+        first, last = shown_stream.split("\n")[0], shown_stream.strip().split("\n")[-1]
+        assert list(events[0]) == keys(first, "data: ") and events[0]["index"] == 0
+        assert list(events[0]["token"]) == keys(first, '"token":')
+        assert list(events[-1]["details"]) == keys(last, '"details":')
+        assert events[-1]["generated_text"] == "".join(e["token"]["text"] for e in events)
+
+        # The error shown under "Errors": a string where temperature's number belongs.
+        error = json.loads(blocks(HTTP, "json")[1])
+        r = await client.post("/generate", json={"inputs": "ROMEO:", "parameters": {"temperature": "hot"}})
+        assert r.status_code == 422 and r.json() == error
+
+
+async def test_the_openai_refusal_shown_is_the_one_given() -> None:
+    shown = json.loads(blocks(OPENAI, "json")[0])
+    async with asgi_client(CKPT) as client:
+        body = {"model": "shakespeare-char", "prompt": "ROMEO:", "n": 2}
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 422 and r.json() == shown
+
+
+@pytest.mark.timeout(120)
+def test_the_openai_sdk_example_runs(openai_server: ServerProcess) -> None:
+    code = blocks(OPENAI, "python")[0]
+    code = code.replace("http://127.0.0.1:8000/v1", openai_server.base_url + "/v1")
+    code = code.replace("unused-unless-the-server-sets-keys", OPENAI_API_KEY)
+    assert openai_server.base_url in code and OPENAI_API_KEY in code  # the doc still reads as expected
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "docs/openai.md", "exec"), {})  # our own doc's example
+    assert printed.getvalue().strip()  # a reply, then a streamed completion
