@@ -6,7 +6,7 @@ import os
 import platform
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +70,20 @@ class _Dist:
         return self.rank == 0
 
 
+def rank_device(device: str) -> str:
+    """The device this process trains on. Under torchrun every process would otherwise take the
+    first GPU (`cuda` is cuda:0), so plain `cuda` becomes cuda:LOCAL_RANK, as in nanoGPT; an
+    explicit cuda:N, or cpu, is kept."""
+    if device == "cuda" and dist.is_torchelastic_launched():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return device
+
+
 def _setup_distributed(device: str) -> _Dist:
     if not dist.is_torchelastic_launched():
         return _Dist()
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # NCCL's collectives run on the current device
     dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
     return _Dist(rank=dist.get_rank(), world=dist.get_world_size())
 
@@ -140,6 +151,7 @@ def _build(cfg: TrainConfig, text: str) -> tuple[GPT, Tokenizer, dict[str, Any]]
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run training; returns the provenance written into the checkpoint."""
+    cfg = replace(cfg, device=rank_device(cfg.device))
     rank = _setup_distributed(cfg.device)
     try:
         result = _train(cfg, rank)

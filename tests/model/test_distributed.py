@@ -43,3 +43,16 @@ def test_two_process_torchrun_run_finishes_with_identical_replicas(tmp_path: Pat
     assert history[-1]["val_loss"] < history[0]["val_loss"]
     assert prov["best_val_loss"] < 0.8 * math.log(ckpt.config.vocab_size)  # learned something
     assert (out / "sample.txt").is_file() and (out / "loss.png").is_file()
+
+
+def test_each_torchrun_process_takes_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No GPU here: the rule alone. Under torchrun (TORCHELASTIC_RUN_ID set) plain `cuda` is the
+    # process's LOCAL_RANK, not cuda:0 for all; an explicit index and cpu are left alone.
+    from model.training.trainer import rank_device
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert rank_device("cuda") == "cuda"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert rank_device("cuda") == "cuda:3"
+    assert rank_device("cuda:1") == "cuda:1" and rank_device("cpu") == "cpu"
