@@ -105,6 +105,8 @@ function describe(stats) {
     parts.push(`${rate.toFixed(1)} tok/s`);
   }
   parts.push(`finish: ${stats.finish ?? "…"}`);
+  // The server left the oldest turns out so the conversation fits the model's window.
+  if (stats.dropped) parts.push(`${stats.dropped} oldest message${stats.dropped > 1 ? "s" : ""} left out`);
   return parts.join(" · ");
 }
 
@@ -113,6 +115,7 @@ async function streamReply(reply, stats, signal) {
     method: "POST", headers: headers(), body: JSON.stringify(requestBody()), signal,
   });
   if (!response.ok) throw new Error(await errorText(response));
+  stats.dropped = Number(response.headers.get("X-Nanoserve-Dropped-Messages") ?? 0);
   for await (const { event, data } of sseEvents(response, signal)) {
     if (data === "[DONE]") break;
     const payload = JSON.parse(data);

@@ -203,6 +203,20 @@ def test_model_output_is_rendered_as_text_never_html(browser: Any, server: Serve
     context.close()
 
 
+def test_the_reply_says_when_old_messages_were_left_out(browser: Any, server: ServerProcess) -> None:
+    # The server's header (a real server's is tested in test_openai.py) reaches the reply's line.
+    page = browser.new_page()
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, body=sse_body(["Anon."]),
+        headers={"Content-Type": "text/event-stream", "X-Nanoserve-Dropped-Messages": "3"}))
+    page.goto(server.base_url + "/")
+    page.fill("#prompt", "Once more")
+    page.press("#prompt", "Enter")
+    page.wait_for_selector(".msg.assistant .meta:has-text('finish: stop')", timeout=10_000)
+    assert "3 oldest messages left out" in page.locator(".msg.assistant .meta").last.inner_text()
+    page.close()
+
+
 def test_errors_are_shown_in_the_transcript(browser: Any, server: ServerProcess) -> None:
     page = browser.new_page()
     page.goto(server.base_url + "/")
