@@ -84,17 +84,17 @@ class BodyLimitMiddleware:
         seen = 0
         complete = False
         # On the event loop's clock, from when the headers were parsed (this middleware runs then).
-        deadline = None if self.timeout_s is None else asyncio.get_running_loop().time() + self.timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = None if self.timeout_s is None else loop.time() + self.timeout_s
 
         async def counting_receive() -> Message:
             nonlocal seen, complete
             if complete or deadline is None:
                 message = await receive()
             else:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        message = await receive()
-                except TimeoutError:
+                try:  # wait_for, not asyncio.timeout: Python 3.10 is supported
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:
                     # Raised inside FastAPI's body parsing, as the 413 below.
                     raise self._too_slow() from None
             if message["type"] == "http.request":

@@ -102,16 +102,17 @@ def _sse(gen: Generation, render: Render, settings: Settings,
 DROPPED_HEADER = "X-Nanoserve-Dropped-Messages"
 
 
-async def _fit_window(engine: Any, template: Mapping[str, Any], messages: list[dict[str, str | None]],
-                      prompt: str, max_new: int) -> tuple[str | list[int], int]:
+async def _fit_window(engine: Any, settings: Settings, template: Mapping[str, Any],
+                      messages: list[dict[str, str | None]], prompt: str,
+                      max_new: int) -> tuple[str | list[int], int]:
     """The prompt to generate from (its ids when it is used as rendered) and how many of the
     conversation's oldest turns were left out so it leaves the reply room in the window: up to a
     quarter of the window, or `max_new` if less. System messages and the last message stay
-    (model/chat_template.py fit_chat); with reject_long_prompts nothing is dropped (too long is a
-    422, as for any prompt)."""
+    (model/chat_template.py fit_chat). Nothing is dropped from a conversation over the server's
+    prompt cap, or with reject_long_prompts: those get their 422, as any prompt would."""
     ids = await encode(engine, prompt, "messages")
     budget = engine.window - min(max_new, engine.window // 4)
-    if len(ids) <= budget or engine.config.reject_long_prompts:
+    if len(ids) <= budget or len(ids) > settings.max_prompt_tokens or engine.config.reject_long_prompts:
         return ids, 0
 
     def fits(text: str) -> bool:
@@ -185,7 +186,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
     top_n = body.top_logprobs or 0
     params = _sampling_params(body, settings, max_tokens=body.token_limit(), logprobs=body.logprobs,
                               top_n=top_n, extra_stop=template_stop_sequences(template))
-    fitted, dropped = await _fit_window(engine, template, messages, prompt, params.max_new_tokens)
+    fitted, dropped = await _fit_window(engine, settings, template, messages, prompt, params.max_new_tokens)
     headers = {DROPPED_HEADER: str(dropped)} if dropped else {}
     gen = await start_generation(request, engine, fitted, params, param="messages")
     reply = Reply.new("chatcmpl", model, engine.tokenizer)

@@ -212,3 +212,19 @@ async def test_probes_are_logged_at_debug_level(client: AppClient, caplog: pytes
         await client.get("/nope")
     levels = {rec.fields["route"]: rec.levelno for rec in caplog.records if rec.name == "nanoserve.access"}  # type: ignore[attr-defined]
     assert levels == {"/ready": logging.DEBUG, "/nope": logging.INFO}
+
+
+async def test_a_chat_over_the_prompt_cap_is_refused_not_trimmed(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    # Turns are dropped to fit the window only below the server's prompt cap: a conversation over
+    # it gets the same 422 as any prompt (the cap bounds the work a request may ask for).
+    async with asgi_client(tiny_checkpoint, max_prompt_tokens=100) as client:
+        def chat(turns: int) -> dict[str, Any]:
+            talk = [{"role": "user" if i % 2 == 0 else "assistant", "content": "abcdefghij"}
+                    for i in range(turns)]
+            messages = [{"role": "system", "content": "x"}, *talk]
+            return {"model": "tiny-test", "max_tokens": 2, "messages": messages}
+
+        r = await client.post("/v1/chat/completions", json=chat(3))  # over the window, under the cap
+        assert r.status_code == 200 and int(r.headers["x-nanoserve-dropped-messages"]) >= 1
+        r = await client.post("/v1/chat/completions", json=chat(9))  # over the cap
+        assert_error(r, 422, code="prompt_too_long", param="messages")
