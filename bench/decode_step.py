@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import SHAPES, machine
+from bench.timing import best_median_s
 from model.config import GPTConfig
 from model.gpt import GPT
 from service.engine.decode_step import DecodeStep
@@ -36,23 +36,6 @@ from service.engine.packed_linear import pack_linears
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POSITION = 40
-
-
-def _time(fn, steps: int) -> float:  # type: ignore[no-untyped-def]
-    samples = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
-def _best(fns: dict[str, object], steps: int, rounds: int) -> dict[str, float]:
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            best[name] = min(best[name], _time(fn, steps))
-    return best
 
 
 @torch.inference_mode()
@@ -87,7 +70,7 @@ def bench_shape(shape: str, rows_list: list[int], prefills: list[int], steps: in
         def run_native() -> None:
             native(tok_list, pos_list, slot_list)  # noqa: B023
 
-        best = _best({"torch": run_torch, "native": run_native}, steps, rounds)
+        best = best_median_s({"torch": run_torch, "native": run_native}, steps, rounds)
         best_t, best_n = best["torch"], best["native"]
         gbps = f"{weight_bytes / best_n / 1e9:.1f}" if rows == 1 else "-"
         lines.append(f"| {shape} | decode, {rows} rows | {best_t * 1e3:.2f} | {best_n * 1e3:.2f} | "
@@ -104,7 +87,7 @@ def bench_shape(shape: str, rows_list: list[int], prefills: list[int], steps: in
         def prefill_native() -> None:
             native(prompt_list, list(range(n)), slot_n, [n - 1])  # noqa: B023
 
-        best = _best({"torch": prefill_torch, "native": prefill_native}, max(3, steps // 4), rounds)
+        best = best_median_s({"torch": prefill_torch, "native": prefill_native}, max(3, steps // 4), rounds)
         best_t, best_n = best["torch"], best["native"]
         lines.append(f"| {shape} | prefill, {n} tokens | {best_t * 1e3:.2f} | {best_n * 1e3:.2f} | "
                      f"{best_t / best_n:.2f} | {n / best_n:.0f} | - |")
@@ -140,7 +123,7 @@ def bench_dtypes(
         for position in positions:
             toks, pos, slot = [1] * rows, [position] * rows, list(range(rows))
             fns = {name: (lambda st=st: st(toks, pos, slot)) for name, st in steppers.items()}  # noqa: B023
-            best = _best(fns, steps, rounds)  # type: ignore[arg-type]
+            best = best_median_s(fns, steps, rounds)  # type: ignore[arg-type]
             first = best[next(iter(VARIANTS))]
             for name, t in best.items():
                 lines.append(f"| {shape} | {rows} | {position} | {name} | {t * 1e3:.2f} | {first / t:.2f} |")

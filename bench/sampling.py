@@ -24,8 +24,6 @@ here asserts a speed.
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -37,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import RESULTS, load_avg, machine, write_results
+from bench.timing import best_median_s
 from model.sampling import CANDIDATES, SamplingBatch, candidate_width, sample_tokens, seeded_uniform
 
 SCALES = {"flat (random weights)": 0.05, "scale 3": 3.0, "scale 6": 6.0, "scale 10": 10.0}
@@ -95,19 +94,6 @@ def hf_sampler(params: dict[str, float]) -> Callable[[torch.Tensor], torch.Tenso
     return sample
 
 
-def best_median_ms(fns: dict[str, Callable[[], object]], steps: int, rounds: int) -> dict[str, float]:
-    best = dict.fromkeys(fns, math.inf)
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - t0)
-            best[name] = min(best[name], 1e3 * statistics.median(samples))
-    return best
-
-
 def describe(logits: torch.Tensor) -> tuple[float, float]:
     """Mean entropy (nats) of the rows' distributions and mean mass of their CANDIDATES likeliest."""
     logp = logits.log_softmax(dim=-1)
@@ -128,11 +114,12 @@ def run(rows_list: list[int], vocab: int, steps: int, rounds: int) -> list[dict[
                 fast, full = batch_for(rows, vocab, params, True), batch_for(rows, vocab, params, False)
                 assert torch.equal(sample_tokens(logits, fast), sample_tokens(logits, full))
                 hf = hf_sampler(params)
-                ms = best_median_ms({
+                seconds = best_median_s({
                     "candidates": lambda: sample_tokens(logits, fast),  # noqa: B023
                     "whole vocabulary": lambda: sample_tokens(logits, full),  # noqa: B023
                     "HF": lambda: hf(logits),  # noqa: B023
                 }, steps, rounds)
+                ms = {name: 1e3 * s for name, s in seconds.items()}
                 out.append({"rows": rows, "distribution": dist, "entropy": entropy, "head_mass": head,
                             "setting": setting, "width": fast.candidates, "ms": ms})
                 print(f"{rows:3d} rows  {dist:22s} {setting:22s} " + "  ".join(

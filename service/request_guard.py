@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -86,26 +87,58 @@ class BodyLimitMiddleware:
         # On the event loop's clock, from when the headers were parsed (this middleware runs then).
         loop = asyncio.get_running_loop()
         deadline = None if self.timeout_s is None else loop.time() + self.timeout_s
+        # One timer per request, armed at the first read of an incomplete body, that cancels a
+        # read still waiting when the time is up. (asyncio.wait_for around each read ran it in a
+        # task of its own: ~16 us per read against ~0.5, on every request with a body.)
+        timer: asyncio.TimerHandle | None = None
+        reading: asyncio.Task[Any] | None = None  # the task waiting in a body read, if one is
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            if reading is not None:
+                reading.cancel()
 
         async def counting_receive() -> Message:
-            nonlocal seen, complete
+            nonlocal seen, complete, timer, reading
             if complete or deadline is None:
                 message = await receive()
             else:
-                try:  # wait_for, not asyncio.timeout: Python 3.10 is supported
-                    message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
-                except asyncio.TimeoutError:
+                if expired:
+                    raise self._too_slow()
+                if timer is None:
+                    timer = loop.call_at(deadline, expire)
+                reading = asyncio.current_task()
+                try:
+                    message = await receive()
+                except asyncio.CancelledError:
+                    if not expired:
+                        raise
+                    # The cancellation was the timer's: undo it (3.11+ counts them), answer 408.
                     # Raised inside FastAPI's body parsing, as the 413 below.
+                    uncancel = getattr(reading, "uncancel", None)
+                    if uncancel is not None:
+                        uncancel()
                     raise self._too_slow() from None
+                finally:
+                    reading = None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                complete = complete or not message.get("more_body", False)
+                if not complete and not message.get("more_body", False):
+                    complete = True
+                    if timer is not None:
+                        timer.cancel()
                 if seen > self.max_bytes:
                     # Raised inside FastAPI's body parsing, which re-raises HTTPExceptions as they are.
                     raise self._too_large()
             return message
 
-        await self.app(scope, counting_receive, send)
+        try:
+            await self.app(scope, counting_receive, send)
+        finally:
+            if timer is not None:
+                timer.cancel()
 
 
 class DrainGate:

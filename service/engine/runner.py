@@ -297,7 +297,7 @@ class ModelRunner:
         sampling = [p for p in ps if p.temperature > 0]
         batch.candidates = candidate_width(
             self.vocab,
-            [min(p.top_k or self.vocab, self.vocab) for p in sampling],
+            [min(k, self.vocab) for k, p in zip(ks, ps, strict=True) if p.temperature > 0],
             [p.top_p if p.top_p is not None else 1.0 for p in sampling],
             [p.min_p or 0.0 for p in sampling],
             typical=batch.typical_p is not None,

@@ -13,38 +13,13 @@ import pytest
 
 from tests.service.asgi import asgi_client
 from tests.service.conftest import OPENAI_API_KEY
+from tests.service.doc_text import blocks, curl_request
 from tests.service.server import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 CKPT = ROOT / "checkpoints" / "shakespeare-char"
 HTTP = (ROOT / "docs" / "http.md").read_text(encoding="utf-8")
 OPENAI = (ROOT / "docs" / "openai.md").read_text(encoding="utf-8")
-
-
-def fenced(doc: str) -> list[tuple[str, str]]:
-    """(language, text) of each fenced block, in order."""
-    out, lang, lines = [], None, []  # type: ignore[var-annotated]
-    for line in doc.split("\n"):
-        if line.startswith("```"):
-            if lang is None:
-                lang, lines = line[3:].strip(), []
-            else:
-                out.append((lang, "\n".join(lines) + "\n"))
-                lang = None
-        elif lang is not None:
-            lines.append(line)
-    return out
-
-
-def blocks(doc: str, lang: str) -> list[str]:
-    return [text for kind, text in fenced(doc) if kind == lang]
-
-
-def curl_body(command: str) -> tuple[str, dict]:  # type: ignore[type-arg]
-    route = re.search(r"127\.0\.0\.1:8000(/\S+)", command)
-    body = re.search(r"-d '(\{.*?\})'", command, re.S)
-    assert route and body, f"a doc example this test cannot read: {command[:80]!r}"
-    return route.group(1), json.loads(body.group(1))
 
 
 def keys(shown: str, after: str) -> list[str]:
@@ -68,7 +43,7 @@ async def test_the_native_examples_answer_as_the_doc_shows() -> None:
     shown_json = blocks(HTTP, "json")[0]
     shown_stream = next(b for b in blocks(HTTP, "") if b.startswith("data: "))
     async with asgi_client(CKPT) as client:
-        route, body = curl_body(generate)
+        route, body = curl_request(generate)
         r = await client.post(route, json=body)
         assert r.status_code == 200, r.text
         out = r.json()
@@ -79,7 +54,7 @@ async def test_the_native_examples_answer_as_the_doc_shows() -> None:
             assert shown and out["details"][field] == json.loads(shown.group(1)), field
         assert list(out["details"]["tokens"][0]) == keys(shown_json, '"tokens": [')
 
-        route, body = curl_body(stream)
+        route, body = curl_request(stream)
         r = await client.post(route, json=body)
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]

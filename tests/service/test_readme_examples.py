@@ -4,10 +4,10 @@ user gets (same request bodies, read from the README itself; the outputs it prin
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from tests.service.asgi import asgi_client
+from tests.service.doc_text import curl_request
 
 ROOT = Path(__file__).resolve().parents[2]
 CKPT = ROOT / "checkpoints" / "shakespeare-char"
@@ -20,11 +20,9 @@ def _examples() -> list[tuple[str, dict, list[str]]]:
     block = section.split("```console\n", 1)[1].split("```", 1)[0]
     out: list[tuple[str, dict, list[str]]] = []
     for command in block.split("$ ")[1:]:
-        route = re.search(r"127\.0\.0\.1:8000(/\S+)", command)
-        body = re.search(r"-d '(\{.*?\})'", command, re.S)
-        assert route and body, f"a README example this test cannot read: {command[:80]!r}"
+        route, body = curl_request(command)
         shown = [line for line in command.split("\n")[2:] if line.strip()]
-        out.append((route.group(1), json.loads(body.group(1)), shown))
+        out.append((route, body, shown))
     return out
 
 
