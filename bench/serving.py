@@ -1,6 +1,7 @@
 """HTTP vs in-process: is the server itself a bottleneck?
 
     python bench/serving.py [--checkpoint checkpoints/shakespeare-char] [-c 32] [-n 128] [--max-new-tokens 64]
+                            [--stream-intervals 1,4]
 
 The same engine settings and the same closed-loop load (c clients, n requests, the same prompt,
 sampled at temperature 1 with a seed per request) run twice, alternating, `--repeats` times:
@@ -13,6 +14,9 @@ and the CPU per generated token of the HTTP server's event loop (its main thread
 and of the load generator: both share the machine's two cores with the engine's threads, so
 they are what HTTP costs here. Each client keeps its connection open across its requests, as
 HTTP clients' pools do (`bench/load.py --new-connections` measures one per request).
+`--stream-intervals 1,4` measures both ways at each stream interval in every repeat (the server's
+`--stream-interval`; in-process, `Engine.generate(stream_interval=...)`), so each interval's
+ratio compares like with like.
 Writes bench/results/serving.json and serving.md. Not a test: nothing here asserts a speed.
 """
 
@@ -38,7 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
 
-def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str) -> dict[str, Any]:
+def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str,
+               interval: int = 1) -> dict[str, Any]:
     from model.checkpoint import load_checkpoint
     from service.engine.config import EngineConfig
     from service.engine.engine import Engine
@@ -54,7 +59,7 @@ def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str
         params = SamplingParams(max_new_tokens=new, temperature=1.0, seed=index)
         sent = time.perf_counter()
         first = None
-        async for event in await engine.generate(prompt, params):
+        async for event in await engine.generate(prompt, params, stream_interval=interval):
             if event.token_id is not None:
                 tokens += 1
                 if first is None:
@@ -85,13 +90,14 @@ def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str
             "threads_by_size": engine.info()["cpu_threads_by_forward_size"]}
 
 
-def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str) -> dict[str, Any]:
+def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str,
+              interval: int = 1) -> dict[str, Any]:
     import httpx
 
     from tests.service.server import running_server
 
     env = {"NANOSERVE_MAX_SEQS": str(conc), "NANOSERVE_MAX_QUEUE": str(requests),
-           "NANOSERVE_LOG_LEVEL": "warning"}
+           "NANOSERVE_LOG_LEVEL": "warning", "NANOSERVE_STREAM_INTERVAL": str(interval)}
     with running_server(checkpoint, env=env) as server:
         def load(n: int) -> Any:
             config = LoadConfig(url=server.base_url, concurrency=conc, requests=n, max_new_tokens=new,
@@ -132,34 +138,55 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", default="ROMEO:")
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs each way, best kept")
     ap.add_argument("--out", default=str(RESULTS / "serving"))
+    ap.add_argument("--stream-intervals", default="1",
+                    help="comma-separated stream intervals, each measured both ways in every repeat")
     args = ap.parse_args(argv)
+    intervals = [int(i) for i in args.stream_intervals.split(",")]
     single_threaded_elsewhere()  # the in-process engine's thread is the only one with a pool
     # This process is the load generator both ways and the server in-process: keep full garbage
     # collections off its start-up heap as `nanoserve serve` does (service/app.py).
     freeze_startup_heap()
     started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_before": load_avg()}
     ckpt = Path(args.checkpoint)
-    runs: dict[str, list[dict[str, Any]]] = {"in_process": [], "http": []}
+    # runs[interval][way]: one entry per repeat.
+    runs: dict[int, dict[str, list[dict[str, Any]]]] = {i: {"in_process": [], "http": []} for i in intervals}
     for _ in range(args.repeats):
         load = (ckpt, args.concurrency, args.requests, args.max_new_tokens, args.prompt)
-        runs["in_process"].append(in_process(*load))
-        runs["http"].append(over_http(*load))
-        for way in runs:
-            r = runs[way][-1]
-            print(f"  {way:10s} {r['tokens_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_s']['p50']:.3f}s "
-                  f"p99 {r['ttft_s']['p99']:.3f}s", flush=True)
+        for interval in intervals:
+            by_way = runs[interval]
+            by_way["in_process"].append(in_process(*load, interval))
+            by_way["http"].append(over_http(*load, interval))
+            for way, rs in by_way.items():
+                r = rs[-1]
+                print(f"  interval {interval} {way:10s} {r['tokens_per_s']:8.1f} tok/s  TTFT p50 "
+                      f"{r['ttft_s']['p50']:.3f}s p99 {r['ttft_s']['p99']:.3f}s", flush=True)
+    meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
+    md = (
+        f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; {meta['utc']}; load "
+        f"before/after {meta['load_before']} / {meta['load_after']}. Checkpoint {ckpt.name}, "
+        f"{args.concurrency} concurrent clients, {args.requests} requests x {args.max_new_tokens} "
+        f"new tokens, temperature 1, best of {args.repeats} alternating runs.\n"
+    )
+    results: dict[str, Any] = {"meta": meta, "by_interval": {}}
+    for interval, by_way in runs.items():
+        summary, text = _summarize(by_way)
+        results["by_interval"][str(interval)] = {"runs": by_way, **summary}
+        md += f"\n**Stream interval {interval}**\n\n" + text if len(intervals) > 1 else "\n" + text
+    if len(intervals) == 1:  # the shape earlier results have
+        results.update(results.pop("by_interval")[str(intervals[0])])
+    print(md)
+    write_results(args.out, results, md)
+    return 0
+
+
+def _summarize(runs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, Any], str]:
     best = {way: max(rs, key=lambda r: r["tokens_per_s"]) for way, rs in runs.items()}
     ratio = best["http"]["tokens_per_s"] / best["in_process"]["tokens_per_s"]
     # Each HTTP run against the in-process run just before it: the host's other tenants change
     # its speed by a third from one minute to the next, and a pair shares the same minute.
     pairs = [h["tokens_per_s"] / i["tokens_per_s"]
              for i, h in zip(runs["in_process"], runs["http"], strict=True)]
-    meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
-    md = (
-        f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; {meta['utc']}; load "
-        f"before/after {meta['load_before']} / {meta['load_after']}. Checkpoint {ckpt.name}, "
-        f"{args.concurrency} concurrent clients, {args.requests} requests x {args.max_new_tokens} "
-        f"new tokens, temperature 1, best of {args.repeats} alternating runs.\n\n"
+    text = (
         "| path | tokens/s | TTFT p50 | TTFT p99 |\n|---|---|---|---|\n"
         + "\n".join(
             f"| {way} | {r['tokens_per_s']:.0f} | {1e3 * r['ttft_s']['p50']:.0f} ms | "
@@ -174,9 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({best['http']['client_cpu_share']:.0%} of one core in the best run). Both run beside the "
         f"engine's threads on the same cores.\n"
     )
-    print(md)
-    write_results(args.out, {"meta": meta, "runs": runs, "ratio": ratio, "run_ratios": pairs}, md)
-    return 0
+    return {"ratio": ratio, "run_ratios": pairs}, text
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     gen = await start_generation(request, engine, prompt, params)   # rejections raise here (4xx/503)
     result = await collect(request, gen)                             # non-streaming
-    return event_stream(gen.events, render, keepalive_s=..., on_close=gen.aclose)   # streaming
+    return sse_response(gen, render, settings)                      # streaming
 
 `start_generation` enforces the server's prompt cap, calls `Engine.generate` (which raises
 Overloaded / NotReady / InvalidRequest before anything is sent; the app's handlers map them to
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,7 @@ from service.access_log import record_of
 from service.engine.types import FinishReason, InvalidRequest, SamplingParams, TokenEvent
 from service.errors import APIError
 from service.settings import Settings
+from service.sse import EventStreamResponse, Render, event_stream
 
 if TYPE_CHECKING:
     from service.engine.engine import Engine, GenerationStream
@@ -95,7 +96,10 @@ async def start_generation(
                        code="prompt_too_long", param=param)
     record = record_of(request)
     try:
-        stream = await engine.generate(ids, params, request_id=record.request_id)
+        stream = await engine.generate(
+            ids, params, request_id=record.request_id,
+            stream_interval=request.app.state.settings.stream_interval,
+        )
     except InvalidRequest as exc:
         exc.param = exc.param or param
         raise
@@ -120,6 +124,19 @@ async def encode(engine: Engine, text: str, param: str = "inputs") -> list[int]:
     except InvalidRequest as exc:
         exc.param = param  # the engine says "inputs"; the OpenAI routes call it "prompt"/"messages"
         raise
+
+
+def sse_response(
+    gen: Generation,
+    render: Render,
+    settings: Settings,
+    *,
+    trailer: Iterable[bytes] = (),
+    headers: Mapping[str, str] | None = None,
+) -> EventStreamResponse:
+    """Stream `gen` as server-sent events; events already waiting go out together."""
+    return event_stream(gen.events, render, keepalive_s=settings.keepalive_interval, on_close=gen.aclose,
+                        trailer=trailer, headers=headers, ready=gen.stream.ready)
 
 
 async def _recorded(events: AsyncIterator[TokenEvent], request: Request) -> AsyncIterator[TokenEvent]:

@@ -119,6 +119,12 @@ class Settings(BaseSettings):
         allow_inf_nan=False,
         description="Seconds between SSE keep-alive comments.",
     )
+    stream_interval: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Stream tokens N at a time (the first at once): fewer writes per token under load.",
+    )
     log_level: LogLevel = Field(default="info", description="debug|info|warning|error|critical")
     log_format: Literal["text", "json"] = Field(
         default="text", description="text, or one JSON object a line."

@@ -175,16 +175,26 @@ class Engine:
             raise InvalidRequest(str(e), param="inputs") from None
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        stream_interval: int = 1,
     ) -> GenerationStream:
-        """Validate and queue; raises Overloaded / NotReady / InvalidRequest / PromptTooLong."""
+        """Validate and queue; raises Overloaded / NotReady / InvalidRequest / PromptTooLong.
+
+        `stream_interval` N > 1: the stream's reader is woken once per N tokens (the first token
+        and the last event at once), so a server writes a client's tokens N at a time.
+        """
         try:
-            return self._submit(prompt, params, request_id or new_id())
+            return self._submit(prompt, params, request_id or new_id(), stream_interval)
         except EngineError as e:
             self._safe(self.observer.on_rejected, e.code)
             raise
 
-    def _submit(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> GenerationStream:
+    def _submit(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, stream_interval: int
+    ) -> GenerationStream:
         if self._thread is None or self._stop or not self.health():
             raise NotReady("the engine is not running")
         if self._draining:
@@ -211,7 +221,7 @@ class Engine:
             cropped=cropped,
             tokenizer=self.tokenizer,
             loop=loop,
-            queue=Inbox(loop),
+            queue=Inbox(loop, stream_interval, _ends_stream),
             fault=self._fault_kind if self._fault_marker and self._fault_marker in text else None,
         )
         with self._cond:
@@ -353,6 +363,10 @@ class Engine:
             fn(*args)
         except Exception:  # an observer bug must not stop generation
             log.exception("engine observer hook %s failed", getattr(fn, "__name__", fn))
+
+
+def _ends_stream(event: TokenEvent) -> bool:
+    return event.finish_reason is not None
 
 
 def _put_all(pairs: list[tuple[Request, TokenEvent]]) -> None:

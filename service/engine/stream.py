@@ -48,6 +48,10 @@ class GenerationStream:
             self._done = True
             self._cancel(self._request)
 
+    def ready(self) -> int:
+        """Events already here: the next that many `__anext__` calls return without waiting."""
+        return len(self._request.queue)
+
     @property
     def done(self) -> bool:
         return self._done

@@ -13,7 +13,7 @@ from service.api_docs import sse_response_doc
 from service.deps import EngineDep, SettingsDep, server_version
 from service.engine.types import SamplingParams, TokenEvent, TopToken
 from service.errors import APIError
-from service.generation import Completed, check_limits, collect, encode, start_generation
+from service.generation import Completed, check_limits, collect, encode, sse_response, start_generation
 from service.schemas.common import GENERATION_ERRORS, error_responses
 from service.schemas.native import (
     Details,
@@ -28,7 +28,7 @@ from service.schemas.native import (
     TokenizeRequest,
 )
 from service.settings import Settings
-from service.sse import event_stream, sse_event
+from service.sse import sse_event
 
 router = APIRouter(tags=["native (TGI)"])
 
@@ -148,7 +148,7 @@ async def _generate_sse(request: Request, engine: EngineDep, body: GenerateReque
             )
         yield sse_event(out)
 
-    return event_stream(gen.events, render, keepalive_s=settings.keepalive_interval, on_close=gen.aclose)
+    return sse_response(gen, render, settings)
 
 
 @router.post("/generate", response_model=GenerateResponse, responses={**GENERATION_ERRORS, **_JSON_OR_SSE})

@@ -20,7 +20,7 @@ from model.chat_template import ChatTemplateError, fit_chat, render_chat, templa
 from service.deps import EngineDep, SettingsDep
 from service.engine.types import SamplingParams
 from service.errors import APIError
-from service.generation import Generation, check_limits, collect, encode, start_generation
+from service.generation import Generation, check_limits, collect, encode, sse_response, start_generation
 from service.routes.openai_format import (
     DONE,
     ChatChunks,
@@ -43,7 +43,7 @@ from service.schemas.openai import (
     TokenLogprob,
 )
 from service.settings import Settings
-from service.sse import Render, event_stream
+from service.sse import Render
 
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
 
@@ -95,8 +95,7 @@ def _sampling_params(body: GenerationRequest, settings: Settings, *, max_tokens:
 
 def _sse(gen: Generation, render: Render, settings: Settings,
          headers: Mapping[str, str] | None = None) -> Response:
-    return event_stream(gen.events, render, keepalive_s=settings.keepalive_interval, on_close=gen.aclose,
-                        trailer=[DONE], headers=headers)
+    return sse_response(gen, render, settings, trailer=[DONE], headers=headers)
 
 
 DROPPED_HEADER = "X-Nanoserve-Dropped-Messages"

@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator
 
 from starlette.types import Message
 
-from service.sse import KEEPALIVE, EventStreamResponse
+from service.engine.inbox import Inbox
+from service.engine.types import FinishReason, TokenEvent
+from service.sse import KEEPALIVE, EventStreamResponse, event_stream, sse_event
 
 
 async def collect(body: AsyncIterator[bytes], keepalive_s: float,
@@ -63,8 +65,6 @@ async def test_a_slow_send_gets_one_ping_at_a_time() -> None:
 
 
 def test_sse_event_shapes() -> None:
-    from service.sse import sse_event
-
     # Text as it is, a line per `data:` field so a newline cannot end the field early.
     assert sse_event("[DONE]") == b"data: [DONE]\n\n"
     assert sse_event("a\nb", event="note") == b"event: note\ndata: a\ndata: b\n\n"
@@ -72,3 +72,43 @@ def test_sse_event_shapes() -> None:
     assert sse_event({"text": "x\ny", "n": 1}) == b'data: {"text":"x\\ny","n":1}\n\n'
     error = sse_event({"error": {"code": "c"}}, event="error")
     assert error == b'event: error\ndata: {"error":{"code":"c"}}\n\n'
+
+
+def _token(i: int, final: bool = False) -> TokenEvent:
+    return TokenEvent(index=i, token_id=i, text=str(i), finish_reason=FinishReason.LENGTH if final else None)
+
+
+async def _render_chunks(arrivals: list[list[TokenEvent]], coalesce: bool) -> list[bytes]:
+    """The body chunks `event_stream` sends when the events arrive in these groups."""
+    inbox: Inbox[TokenEvent] = Inbox(asyncio.get_running_loop())
+
+    async def events() -> AsyncIterator[TokenEvent]:
+        while True:
+            event = await inbox.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    async def feed() -> None:
+        for group in arrivals:
+            for event in group:
+                inbox.put(event)
+            await asyncio.sleep(0.01)
+
+    response = event_stream(events(), lambda e: [sse_event({"t": e.text})], keepalive_s=60,
+                            trailer=[b"data: [DONE]\n\n"], ready=(lambda: len(inbox)) if coalesce else None)
+    feeder = asyncio.ensure_future(feed())
+    body, _ = await collect(response.body_iterator, keepalive_s=60)
+    await feeder
+    return body
+
+
+async def test_events_already_waiting_go_out_in_one_chunk() -> None:
+    arrivals = [[_token(0)], [_token(1), _token(2), _token(3)], [_token(4), _token(5, final=True)]]
+    one = [b'data: {"t":"%d"}\n\n' % i for i in range(6)]
+    done = b"data: [DONE]\n\n"
+    assert await _render_chunks(arrivals, coalesce=True) == [
+        one[0], one[1] + one[2] + one[3], one[4] + one[5] + done
+    ]
+    # Without `ready` every event is its own chunk (the last one carries the trailer).
+    assert await _render_chunks(arrivals, coalesce=False) == [*one[:5], one[5] + done]
