@@ -7,7 +7,9 @@ for every row, and the same one-token batch, through the torch decode step (oneD
 as the engine runs it) and the native step. Prefill: one prompt of that many tokens from position
 0, through `GPT.forward` (packed linears, last position's logits) and the native step (last row's
 logits). Variants alternate in one process; each runs `--steps` forwards per round, `--rounds`
-rounds, median per round, best round kept. Also prints the GB/s of weights a batch-1 step implies.
+rounds, median per round, best round kept. Also prints the GB/s of weights a batch-1 step implies,
+and where the CPU has AVX-512, the native step's time on its AVX2 kernels over its time on the
+AVX-512 ones (the same bits; alternating with the others).
 Writes bench/results/decode-step.md. With --dtypes instead: the native step with float32 or bfloat16
 weights and KV cache, decode rows at --positions (bench/results/decode-step-dtypes.md). Not a
 test: nothing here asserts a speed.
@@ -19,6 +21,7 @@ import argparse
 import copy
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -70,11 +73,12 @@ def bench_shape(shape: str, rows_list: list[int], prefills: list[int], steps: in
         def run_native() -> None:
             native(tok_list, pos_list, slot_list)  # noqa: B023
 
-        best = best_median_s({"torch": run_torch, "native": run_native}, steps, rounds)
+        best = best_median_s({"torch": run_torch, "native": run_native,
+                              **_on_avx2(native, run_native)}, steps, rounds)
         best_t, best_n = best["torch"], best["native"]
         gbps = f"{weight_bytes / best_n / 1e9:.1f}" if rows == 1 else "-"
         lines.append(f"| {shape} | decode, {rows} rows | {best_t * 1e3:.2f} | {best_n * 1e3:.2f} | "
-                     f"{best_t / best_n:.2f} | {rows / best_n:.0f} | {gbps} |")
+                     f"{best_t / best_n:.2f} | {rows / best_n:.0f} | {gbps} | {_avx2_ratio(best)} |")
         print(lines[-1], flush=True)
     for n in prefills:
         prompt = torch.randint(0, cfg.vocab_size, (1, n))
@@ -87,12 +91,32 @@ def bench_shape(shape: str, rows_list: list[int], prefills: list[int], steps: in
         def prefill_native() -> None:
             native(prompt_list, list(range(n)), slot_n, [n - 1])  # noqa: B023
 
-        best = best_median_s({"torch": prefill_torch, "native": prefill_native}, max(3, steps // 4), rounds)
+        best = best_median_s({"torch": prefill_torch, "native": prefill_native,
+                              **_on_avx2(native, prefill_native)}, max(3, steps // 4), rounds)
         best_t, best_n = best["torch"], best["native"]
         lines.append(f"| {shape} | prefill, {n} tokens | {best_t * 1e3:.2f} | {best_n * 1e3:.2f} | "
-                     f"{best_t / best_n:.2f} | {n / best_n:.0f} | - |")
+                     f"{best_t / best_n:.2f} | {n / best_n:.0f} | - | {_avx2_ratio(best)} |")
         print(lines[-1], flush=True)
     return lines
+
+
+def _on_avx2(native: NativeStep, run: Callable[[], None]) -> dict[str, Callable[[], None]]:
+    """Where the CPU has AVX-512, the native step again with its AVX2 kernels (same bits)."""
+    if native.isa != "avx512":
+        return {}
+
+    def on_avx2() -> None:
+        native.use_isa("avx2")
+        try:
+            run()
+        finally:
+            native.use_isa("avx512")
+
+    return {"native avx2": on_avx2}
+
+
+def _avx2_ratio(best: dict[str, float]) -> str:
+    return f"{best['native avx2'] / best['native']:.2f}" if "native avx2" in best else "-"
 
 
 VARIANTS = {  # (weights, KV cache) dtypes of the native step
@@ -152,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         what = f"Every row at position {POSITION}"
         columns = ["| model | forward | torch ms | native ms | torch / native | native tok/s "
-                   "| native GB/s (batch 1) |", "|---|---|---|---|---|---|---|"]
+                   "| native GB/s (batch 1) | native on AVX2 kernels / native |", "|---" * 8 + "|"]
     m = machine()
     header = [
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {torch.__version__}, {args.threads} threads; "

@@ -284,6 +284,8 @@ class Engine:
             "cpu_threads_by_forward_size": {str(k): v for k, v in self.runner.threads.choices().items()},
             "packed_linear": self.packed_linears > 0,
             "native_step": self.native_step_off is None,
+            # Which of the native step's kernels run (c, avx2, avx512: the best this CPU has).
+            "native_isa": self.runner.native_step.isa if self.runner.native_step is not None else None,
             "kv_cache_bytes": self.runner.cache.nbytes,
             "provenance": self.checkpoint.provenance,
         }

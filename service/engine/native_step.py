@@ -173,7 +173,13 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.ns_step.argtypes = [ptr, num, ptr, ptr, ptr, num, ptr, ptr, num]
     lib.ns_free.restype = None
     lib.ns_free.argtypes = [ctypes.c_void_p]
+    lib.ns_set_isa.restype = ctypes.c_int
+    lib.ns_set_isa.argtypes = [ctypes.c_void_p, ctypes.c_int]
     return lib
+
+
+# The library's kernel levels (ns_set_isa): the best this CPU has is used unless asked otherwise.
+ISA_NAMES = ("c", "avx2", "avx512")
 
 
 class NativeStep:
@@ -223,9 +229,17 @@ class NativeStep:
         )
         if not self._handle:
             raise MemoryError("the native step could not allocate its buffers")
+        self.isa = ISA_NAMES[self._lib.ns_set_isa(self._handle, len(ISA_NAMES) - 1)]
         # Per-call arguments (tokens, positions, slots, logit rows); like the library's own scratch
         # buffers they make a NativeStep single-threaded: only the engine thread calls it.
         self._args: list[Any] = [(ctypes.c_int64 * self.max_rows)() for _ in range(4)]
+
+    def use_isa(self, name: str) -> str:
+        """Use kernels of at most level `name` (one of ISA_NAMES; for comparisons and benchmarks:
+        every level computes the same function, avx2 and avx512 the same bits). Returns the level
+        in effect, which is lower where the CPU lacks the instructions."""
+        self.isa = ISA_NAMES[self._lib.ns_set_isa(self._handle, ISA_NAMES.index(name))]
+        return self.isa
 
     def __call__(
         self, tokens: list[int], positions: list[int], slots: list[int], logit_rows: list[int] | None = None

@@ -209,6 +209,7 @@ async def test_the_engine_decodes_natively_with_the_torch_paths_tokens(
     plain = make_engine(max_seqs=4, native_step=False)
     assert native.info()["native_step"] is True
     assert plain.info()["native_step"] is False
+    assert native.info()["native_isa"] in ("avx2", "avx512", "c") and plain.info()["native_isa"] is None
     assert native.runner.native_step is not None and plain.runner.native_step is None
     for prompt in ("hello wor", "The quick brown", "~~ 42 ~~"):
         want = token_ids(await collect(plain, prompt, max_new_tokens=40, temperature=0.0))
@@ -297,3 +298,36 @@ async def test_an_engine_on_the_native_step_holds_no_checkpoint_memory(
         assert engine.model.wte.weight is engine.model.lm_head.weight
     # Generation never touched the released weights (a torch forward on meta tensors would fail).
     assert token_ids(await collect(engine, "hello wor", max_new_tokens=20, temperature=0.0)) == want
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@torch.no_grad()
+def test_every_kernel_level_computes_the_same_logits(shape: str, dtype: torch.dtype) -> None:
+    # 30 rows: blocks of 12, 12 and 6 rows for the AVX-512 kernels (6 x 5 for AVX2); the ragged
+    # shape's 97 logits are 7 panels, so a panel pair and a single panel both run.
+    model = _model(SHAPES[shape]).to(dtype)
+    rows = 30
+    lengths = {s: 1 + (7 * s) % 40 for s in range(rows)}
+    native = NativeStep(model, _prefilled(model, rows, lengths, dtype), max_threads=2)
+    best = native.isa
+    tokens = [(5 * s + 3) % SHAPES[shape].vocab_size for s in range(rows)]
+    positions, slots = [lengths[s] for s in range(rows)], list(range(rows))
+    torch.set_num_threads(2)
+    try:
+        by_level = {}
+        for level in ("c", "avx2", "avx512"):
+            if native.use_isa(level) == level:
+                by_level[level] = native(tokens, positions, slots)
+    finally:
+        torch.set_num_threads(1)
+        native.use_isa(best)
+    assert "c" in by_level and len(by_level) >= 2, f"only {sorted(by_level)} run on this CPU"
+    if "avx512" not in by_level:
+        pytest.skip("this CPU has no AVX-512: only the C and AVX2 kernels were compared")
+    # The vector levels sum every output in the same order: the same bits.
+    assert torch.equal(by_level["avx512"], by_level["avx2"])
+    if dtype == torch.float32:
+        # The C kernels round each product before adding it (no FMA): float32 rounding apart.
+        # (Not for bfloat16: keys and values stored in bf16 turn such a difference into bf16's.)
+        torch.testing.assert_close(by_level["avx512"], by_level["c"], rtol=2e-5, atol=2e-5)
