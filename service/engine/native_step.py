@@ -179,7 +179,7 @@ def _load(path: Path) -> ctypes.CDLL:
 
 
 # The library's kernel levels (ns_set_isa): the best this CPU has is used unless asked otherwise.
-ISA_NAMES = ("c", "avx2", "avx512")
+ISA_NAMES = ("c", "avx2", "avx512", "amx")
 
 
 class NativeStep:

@@ -26,7 +26,9 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#include <sys/syscall.h>
 #define NS_X86 1
+long syscall(long number, ...); /* <unistd.h> also declares a sync(), which this file defines */
 #endif
 
 typedef void (*parallel_fn)(void (*fn)(void *), void *data, unsigned nthreads, unsigned flags);
@@ -41,6 +43,7 @@ typedef struct {
     const void *w; /* (out, in) packed in panels of the model's weight type, see gemv */
     const float *b; /* (out,) or NULL */
     int out, in;
+    uint16_t *tiles; /* bfloat16 weights laid out for AMX (see gemv_amx), or NULL */
 } Linear;
 
 typedef struct {
@@ -63,6 +66,8 @@ typedef struct {
     Linear head;
     int avx2;   /* AVX2 + FMA kernels (every x86-64 CPU of the last decade) */
     int avx512; /* AVX-512 matrix kernels (where the CPU has AVX-512F); see gemv512 */
+    int amx;    /* bfloat16 weights: AMX tile kernels on bf16-rounded inputs; see gemv_amx */
+    uint16_t *xb; /* per thread, (round32(max_rows), round32(4 C)): a phase's inputs in bf16 (amx) */
     /* Shared activations, (max_rows, width) each; h is per thread (max_threads, 2 max_threads, C),
      * for steps of few rows, where every thread normalises the whole residual itself instead of
      * waiting at a barrier; hn holds the normalised rows of larger steps (see normalise). */
@@ -396,6 +401,123 @@ static void gemv(const Model *m, const Linear *l, const float *x, int rows, floa
     }
 }
 
+#ifdef NS_X86
+/* ---------------------------------------------------------------- AMX (bfloat16 models)
+
+ * On CPUs with AMX (Intel Xeon since Sapphire Rapids), a bfloat16 model's linear layers run on the
+ * tile unit: C (16 x 16 float32) += A (16 rows x 32 inputs, bf16) B (32 inputs x 16 outputs, bf16,
+ * as 16 rows of input pairs). The inputs are rounded to bfloat16 first, as torch's bf16 linear
+ * layers take them, so this is a different function from the widening kernels (which keep the
+ * inputs in float32); sums stay float32. A row's outputs still depend on that row alone: every
+ * forward of an AMX engine, one row or many, runs this way, so rows are the same bits alone or
+ * batched (tested). Weights are copied once into tiles ([panel][32 inputs][16 pairs][16][2],
+ * inputs zero-padded to 32); the widening panels stay (the embeddings and the other levels read
+ * them). */
+#define AMX_K 32
+__attribute__((target("amx-tile"))) static void amx_release(void) { _tile_release(); }
+#define ROUND32(n) (((n) + 31) / 32 * 32)
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Tiles 0-1: inputs of rows 0-15 and 16-31 of a block; 2-3: the two panels' weights; 4-7: sums
+ * (4, 5: rows 0-15 x panels 0, 1; 6, 7: rows 16-31). Tile rows = the block's rows, so a block of
+ * few rows costs little. */
+__attribute__((target("amx-tile,amx-bf16"))) static void tile_config(int n) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    const int lo = n < 16 ? n : 16, hi = n > 16 ? n - 16 : 1;
+    const uint8_t rows[8] = {(uint8_t)lo, (uint8_t)hi, 16, 16, (uint8_t)lo, (uint8_t)lo, (uint8_t)hi, (uint8_t)hi};
+    for (int t = 0; t < 8; t++) cfg.rows[t] = rows[t], cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* y[r][o] (+)= sum_k bf16(x[r][k]) W[o][k] + b[o] for o in [o0, o1) (o0 a multiple of 2 PANEL), with
+ * x already in bf16 (xb, rows ROUND32(in) apart). */
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) static void gemv_amx(const Linear *l, const uint16_t *xb,
+                                                                        int rows, float *y, int ystride, int o0,
+                                                                        int o1, int accumulate) {
+    const int inp = ROUND32(l->in), kbs = inp / AMX_K;
+    const size_t panel_elems = (size_t)inp * PANEL;
+    float sums[2 * MAX_R512 * PANEL], c[4][16 * PANEL];
+    for (int r = 0; r < rows; r += 32) {
+        const int n = rows - r < 32 ? rows - r : 32;
+        tile_config(n);
+        const uint16_t *a0 = xb + (size_t)r * inp, *a1 = a0 + (size_t)16 * inp;
+        for (int o = o0; o < o1; o += 2 * PANEL) {
+            const uint16_t *b0 = l->tiles + (size_t)(o / PANEL) * panel_elems, *b1 = b0 + panel_elems;
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_zero(7);
+            for (int kb = 0; kb < kbs; kb++) {
+                _tile_loadd(2, b0 + (size_t)kb * AMX_K * PANEL, 64);
+                _tile_loadd(3, b1 + (size_t)kb * AMX_K * PANEL, 64);
+                _tile_loadd(0, a0 + kb * AMX_K, inp * 2);
+                _tile_dpbf16ps(4, 0, 2);
+                _tile_dpbf16ps(5, 0, 3);
+                if (n > 16) {
+                    _tile_loadd(1, a1 + kb * AMX_K, inp * 2);
+                    _tile_dpbf16ps(6, 1, 2);
+                    _tile_dpbf16ps(7, 1, 3);
+                }
+            }
+            _tile_stored(4, c[0], 64);
+            _tile_stored(5, c[1], 64);
+            if (n > 16) {
+                _tile_stored(6, c[2], 64);
+                _tile_stored(7, c[3], 64);
+            }
+            /* through store_panel, in blocks of MAX_R512 rows, as the other kernels store */
+            for (int h = 0; h < 2 && o + h * PANEL < o1; h++)
+                for (int i0 = 0; i0 < n; i0 += MAX_R512) {
+                    const int m = n - i0 < MAX_R512 ? n - i0 : MAX_R512;
+                    for (int i = 0; i < m; i++)
+                        memcpy(sums + i * PANEL, c[((i0 + i) >= 16) * 2 + h] + ((i0 + i) % 16) * PANEL, PANEL * sizeof(float));
+                    store_panel(l, y + (size_t)(r + i0) * ystride, ystride, m, o + h * PANEL, sums, accumulate);
+                }
+        }
+    }
+}
+
+/* x (rows, in) float32 -> xb (rows, ROUND32(in)) bfloat16, rounded to nearest even (as torch
+ * rounds; denormal inputs become zero), zero-padded. 32 at a time: AMX CPUs have AVX512-BF16. */
+__attribute__((target("avx512f,avx512bf16"))) static void to_bf16_rows(const float *x, int rows, int in,
+                                                                     uint16_t *xb) {
+    const int inp = ROUND32(in);
+    for (int r = 0; r < rows; r++) {
+        const float *src = x + (size_t)r * in;
+        uint16_t *dst = xb + (size_t)r * inp;
+        for (int k = 0; k < inp; k += 32) {
+            const int left = in - k;
+            const __mmask16 lo = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+            const __mmask16 hi = left >= 32 ? 0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : 0;
+            const __m512 a = _mm512_maskz_loadu_ps(lo, src + k), b = _mm512_maskz_loadu_ps(hi, src + k + 16);
+            _mm512_storeu_si512((void *)(dst + k), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        }
+    }
+}
+
+/* The AMX copy of a bfloat16 linear's panels: [panel][ROUND32(in) / 2][16][2], an even number of
+ * panels (a zero one after an odd count, for the pairs). */
+static uint16_t *amx_tiles(const Linear *l) {
+    const int panels = (l->out + PANEL - 1) / PANEL, pairs = (panels + 1) / 2, inp = ROUND32(l->in);
+    uint16_t *t = calloc((size_t)pairs * 2 * inp * PANEL, sizeof(uint16_t));
+    if (!t) return NULL;
+    const uint16_t *w = l->w;
+    for (int p = 0; p < panels; p++)
+        for (int k = 0; k < l->in; k++)
+            for (int j = 0; j < PANEL; j++)
+                t[(size_t)p * inp * PANEL + (size_t)(k / 2) * 2 * PANEL + j * 2 + k % 2] =
+                    w[(size_t)p * l->in * PANEL + (size_t)k * PANEL + panel_lane(j, BF16)];
+    return t;
+}
+#endif
+
 /* Work is claimed, not dealt: each thread takes the next `chunk` items of a phase from a shared
  * counter until none are left. On a machine whose cores also run other things (the server's event
  * loop, its clients, other tenants) a thread can lose its core for a while; with a fixed split the
@@ -417,14 +539,28 @@ static int chunk_of(int items, int nt) {
 /* y (+)= x W^T + b for all of the layer's outputs, panels claimed in chunks; with `act`, GELU
  * on each chunk's outputs once they are done. */
 static void gemv_claimed(const Job *job, int phase, const Linear *l, const float *x, int rows, float *y,
-                         int ystride, int accumulate, int act, int nt) {
+                         int ystride, int accumulate, int act, int tid, int nt) {
     const Model *m = job->m;
     const int panels = (l->out + PANEL - 1) / PANEL;
     int chunk = chunk_of(panels, nt);
     if (m->avx512 && chunk % 2) chunk++; /* its kernels take panels in pairs */
+#ifdef NS_X86
+    uint16_t *xb = NULL;
+    if (m->amx) { /* every thread rounds the inputs into its own buffer: no barrier for it */
+        xb = m->xb + (size_t)tid * ROUND32(m->max_rows) * ROUND32(4 * m->n_embd);
+        to_bf16_rows(x, rows, l->in, xb);
+    }
+#else
+    (void)tid;
+#endif
     for (int p = claim(job, phase, chunk); p < panels; p = claim(job, phase, chunk)) {
         const int o0 = p * PANEL, o1 = (p + chunk) * PANEL < l->out ? (p + chunk) * PANEL : l->out;
-        gemv(m, l, x, rows, y, ystride, o0, o1, accumulate);
+#ifdef NS_X86
+        if (xb)
+            gemv_amx(l, xb, rows, y, ystride, o0, o1, accumulate);
+        else
+#endif
+            gemv(m, l, x, rows, y, ystride, o0, o1, accumulate);
         if (act)
             for (int r = 0; r < rows; r++) gelu(m, y + (size_t)r * ystride + o0, o1 - o0);
     }
@@ -621,7 +757,7 @@ static void step_thread(void *arg) {
     for (int li = 0; li < m->n_layer; li++) {
         const Layer *L = &m->layers[li];
         const float *h = normalise(job, L->ln1, NULL, rows, tid, nt, own);
-        gemv_claimed(job, phase++, &L->attn, h, rows, m->qkv, 3 * c, 0, 0, nt);
+        gemv_claimed(job, phase++, &L->attn, h, rows, m->qkv, 3 * c, 0, 0, tid, nt);
         sync(job);
         for (int p = tid; p < heads; p += nt) store_kv(m, L, job, p / m->n_head, p % m->n_head);
         sync(job);
@@ -630,37 +766,80 @@ static void step_thread(void *arg) {
                 attend(m, L, job, p / m->n_head, p % m->n_head, scores);
         phase++;
         sync(job);
-        gemv_claimed(job, phase++, &L->proj, m->y, rows, m->x, c, 1, 0, nt);
+        gemv_claimed(job, phase++, &L->proj, m->y, rows, m->x, c, 1, 0, tid, nt);
         sync(job);
         h = normalise(job, L->ln2, NULL, rows, tid, nt, own);
-        gemv_claimed(job, phase++, &L->fc, h, rows, m->f, 4 * c, 0, 1, nt);
+        gemv_claimed(job, phase++, &L->fc, h, rows, m->f, 4 * c, 0, 1, tid, nt);
         sync(job);
-        gemv_claimed(job, phase++, &L->mproj, m->f, rows, m->x, c, 1, 0, nt);
+        gemv_claimed(job, phase++, &L->mproj, m->f, rows, m->x, c, 1, 0, tid, nt);
         sync(job);
     }
     const float *h = normalise(job, m->lnf, job->out, job->n_out, tid, nt, own);
-    gemv_claimed(job, phase, &m->head, h, job->n_out, job->logits, m->vocab, 0, 0, nt);
+    gemv_claimed(job, phase, &m->head, h, job->n_out, job->logits, m->vocab, 0, 0, tid, nt);
+#ifdef NS_X86
+    if (m->amx) amx_release(); /* the thread's tile state is not kept between steps */
+#endif
 }
 
 /* ---------------------------------------------------------------- the interface */
 
 void ns_free(void *model);
 
-/* The kernels to use, at most `level` (0 portable C, 1 AVX2 + FMA, 2 AVX-512 matrix kernels) and at
- * most what this CPU has; returns the level in effect. Every level computes the same function;
- * levels 1 and 2 the same bits. (Lower levels are for comparing and benchmarking.) */
+/* The model's linear layers (each layer's four, then the output layer's), for visiting them all. */
+static int linears(Model *m, Linear **out) {
+    int n = 0;
+    for (int i = 0; i < m->n_layer; i++) {
+        Layer *L = &m->layers[i];
+        out[n++] = &L->attn, out[n++] = &L->proj, out[n++] = &L->fc, out[n++] = &L->mproj;
+    }
+    out[n++] = &m->head;
+    return n;
+}
+
+#ifdef NS_X86
+/* AMX for this bfloat16 model: the CPU has it, the kernel lets this process use it (Linux asks
+ * each process to request the tile state), and the tile copies and input buffers exist. */
+static int amx_ready(Model *m) {
+    if (m->wt != BF16 || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
+        !__builtin_cpu_supports("avx512f"))
+        return 0;
+#ifdef SYS_arch_prctl
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return 0;
+#else
+    return 0;
+#endif
+    if (!m->xb) {
+        m->xb = calloc((size_t)m->max_threads * ROUND32(m->max_rows) * ROUND32(4 * m->n_embd), sizeof(uint16_t));
+        if (!m->xb) return 0;
+    }
+    Linear **all = malloc(sizeof(Linear *) * (size_t)(4 * m->n_layer + 1));
+    if (!all) return 0;
+    const int n = linears(m, all);
+    int ok = 1;
+    for (int i = 0; i < n && ok; i++)
+        if (!all[i]->tiles) ok = (all[i]->tiles = amx_tiles(all[i])) != NULL;
+    free(all);
+    return ok;
+}
+#endif
+
+/* The kernels to use, at most `level` (0 portable C, 1 AVX2 + FMA, 2 AVX-512 matrix kernels, 3 AMX
+ * for a bfloat16 model's linear layers) and at most what this CPU has; returns the level in effect.
+ * Levels 0-2 compute the same function, 1 and 2 the same bits; level 3 rounds the linear layers'
+ * inputs to bfloat16 first (see gemv_amx). (Lower levels are for comparing and benchmarking.) */
 int ns_set_isa(void *model, int level) {
     Model *m = model;
-    m->avx2 = m->avx512 = 0;
+    m->avx2 = m->avx512 = m->amx = 0;
 #ifdef NS_X86
     m->avx2 = level >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     m->avx512 = m->avx2 && level >= 2 && __builtin_cpu_supports("avx512f");
+    m->amx = m->avx512 && level >= 3 && amx_ready(m);
 #endif
-    return m->avx512 ? 2 : m->avx2 ? 1 : 0;
+    return m->amx ? 3 : m->avx512 ? 2 : m->avx2 ? 1 : 0;
 }
 
 static Linear linear(const void *const **p, int out, int in) {
-    Linear l = {(*p)[0], (const float *)(*p)[1], out, in};
+    Linear l = {(*p)[0], (const float *)(*p)[1], out, in, NULL};
     *p += 2;
     return l;
 }
@@ -692,7 +871,6 @@ void *ns_create(int n_layer, int n_head, int n_embd, int vocab, int slots, int w
         m->thread_num = (int_fn)omp[2];
         m->num_threads = (int_fn)omp[3];
     }
-    ns_set_isa(m, 2);
     const void *const *p = ptrs;
     m->wte = *p++;
     m->wpe = *p++;
@@ -723,6 +901,7 @@ void *ns_create(int n_layer, int n_head, int n_embd, int vocab, int slots, int w
     }
     m->lnf = norm(&p);
     m->head = linear(&p, vocab, c);
+    ns_set_isa(m, 3); /* the best this CPU has */
     return m;
 }
 
@@ -743,6 +922,13 @@ void ns_step(void *model, int rows, const int64_t *tok, const int64_t *pos, cons
 void ns_free(void *model) {
     Model *m = model;
     if (!m) return;
+    if (m->layers) {
+        for (int i = 0; i < m->n_layer; i++) {
+            Layer *L = &m->layers[i];
+            free(L->attn.tiles), free(L->proj.tiles), free(L->fc.tiles), free(L->mproj.tiles);
+        }
+    }
+    free(m->head.tiles), free(m->xb);
     free(m->layers), free(m->x), free(m->qkv), free(m->y), free(m->f), free(m->h), free(m->hn), free(m->att), free(m->next);
     free(m);
 }

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import gc
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,21 @@ def _bf16_pair(model: GPT) -> tuple[GPT, GPT]:
     bfloat16-rounded weights (the reference: the native step computes in float32)."""
     low = copy.deepcopy(model).to(torch.bfloat16)
     return low, copy.deepcopy(low).float()
+
+
+@contextlib.contextmanager
+def _bf16_inputs(model: GPT, active: bool) -> Iterator[None]:
+    """While active, every linear layer of `model` rounds its input to bfloat16 first, as the
+    native step's AMX kernels do (and torch's bf16 linear layers)."""
+    hooks = [
+        module.register_forward_pre_hook(lambda _m, args: (args[0].to(torch.bfloat16).float(), *args[1:]))
+        for module in model.modules() if active and isinstance(module, torch.nn.Linear)
+    ]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _prefilled(
@@ -124,12 +141,16 @@ def test_prompt_chunks_and_decode_rows_in_one_call_match_the_model(shape: str, d
     """A decode row, a first prompt chunk and a later chunk, in one call: every row's logits are
     the model's for that position (a chunk's rows attend to each other's keys). A bfloat16 model
     (weights and cache in bf16, arithmetic in float32) gives the logits of the float32 model with
-    the same weights over a bf16 cache, which torch's forward runs by widening the cache."""
+    the same weights over a bf16 cache, which torch's forward runs by widening the cache; on AMX,
+    with each linear layer's input rounded to bf16 as well."""
     model = native_model = _model(SHAPES[shape])
     if dtype == torch.bfloat16:
         native_model, model = _bf16_pair(model)
     lengths = {2: 10, 5: 12}
-    torch_cache, native_cache = _prefilled(model, 8, lengths, dtype), _prefilled(model, 8, lengths, dtype)
+    amx = NativeStep(native_model, _prefilled(model, 1, {}, dtype), max_threads=1).isa == "amx"
+    with _bf16_inputs(model, amx):  # the caches must be filled the same way
+        native_cache = _prefilled(model, 8, lengths, dtype)
+        torch_cache = _prefilled(model, 8, lengths, dtype)
     native = NativeStep(native_model, native_cache, max_threads=2, max_rows=32)
     gen = torch.Generator().manual_seed(3)
     work = [(2, 10, 1), (0, 0, 7), (5, 12, 5)]  # (slot, first position, tokens)
@@ -139,7 +160,8 @@ def test_prompt_chunks_and_decode_rows_in_one_call_match_the_model(shape: str, d
         torch_cache.prepare([slot], [start + n])
         pos = torch.arange(start, start + n)
         row_slot = torch.tensor([slot])
-        out = model(toks.view(1, -1), input_pos=pos.view(1, -1), cache=torch_cache, slots=row_slot)
+        with _bf16_inputs(model, amx):
+            out = model(toks.view(1, -1), input_pos=pos.view(1, -1), cache=torch_cache, slots=row_slot)
         want.append(out[0])
         tokens += toks.tolist()
         positions += pos.tolist()
@@ -246,6 +268,9 @@ async def test_a_bfloat16_engine_decodes_natively_as_float32_does_with_its_weigh
         lively, state_dict={k: v.to(torch.bfloat16).float() for k, v in lively.state_dict.items()}
     )
     low = make_engine(max_seqs=4, dtype="bfloat16")
+    assert low.runner.native_step is not None
+    # The widening kernels (float32 inputs); AMX rounds the inputs too (tested on the step itself).
+    low.runner.native_step.use_isa("avx512")
     full = make_engine(rounded, max_seqs=4)
     assert low.info()["native_step"] is True and low.info()["dtype"] == "bfloat16"
     assert low.runner.cache.layers[0].k.dtype == torch.bfloat16  # type: ignore[union-attr]
@@ -304,10 +329,10 @@ async def test_an_engine_on_the_native_step_holds_no_checkpoint_memory(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @torch.no_grad()
 def test_every_kernel_level_computes_the_same_logits(shape: str, dtype: torch.dtype) -> None:
-    # 30 rows: blocks of 12, 12 and 6 rows for the AVX-512 kernels (6 x 5 for AVX2); the ragged
-    # shape's 97 logits are 7 panels, so a panel pair and a single panel both run.
+    # 40 rows: blocks of 12, 12, 12 and 4 rows for the AVX-512 kernels (6 x 6 + 4 for AVX2, 32 + 8
+    # for AMX); the ragged shape's 97 logits are 7 panels, so a panel pair and a single panel run.
     model = _model(SHAPES[shape]).to(dtype)
-    rows = 30
+    rows = 40
     lengths = {s: 1 + (7 * s) % 40 for s in range(rows)}
     native = NativeStep(model, _prefilled(model, rows, lengths, dtype), max_threads=2)
     best = native.isa
@@ -319,6 +344,11 @@ def test_every_kernel_level_computes_the_same_logits(shape: str, dtype: torch.dt
         for level in ("c", "avx2", "avx512"):
             if native.use_isa(level) == level:
                 by_level[level] = native(tokens, positions, slots)
+        if native.use_isa("amx") == "amx":  # bf16 inputs: its own function, the same bits per row
+            amx = native(tokens, positions, slots)
+            for row in (0, 31, 33, 39):
+                alone = native(tokens[row : row + 1], positions[row : row + 1], slots[row : row + 1])
+                assert torch.equal(alone[0], amx[row]), f"row {row}"
     finally:
         torch.set_num_threads(1)
         native.use_isa(best)
