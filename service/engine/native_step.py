@@ -175,6 +175,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.ns_free.argtypes = [ctypes.c_void_p]
     lib.ns_set_isa.restype = ctypes.c_int
     lib.ns_set_isa.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.ns_amx_only.restype = ctypes.c_int
+    lib.ns_amx_only.argtypes = [ctypes.c_void_p]
     return lib
 
 
@@ -190,7 +192,11 @@ class NativeStep:
 
     def __init__(
         self, model: GPT, cache: SpanKVCache, max_threads: int, use_openmp: bool = True, max_rows: int = 0,
+        hold_once: bool = False,
     ) -> None:
+        """`hold_once`: where the AMX kernels run (a bfloat16 model on an AMX CPU), keep only their
+        copy of the linear layers' weights and free the panels, which only the other levels read
+        (the engine does: the weights are then held once; `use_isa` then stays at amx)."""
         path = library_path()
         if path is None:
             raise RuntimeError("service/engine/native/decode.c is not built")
@@ -230,6 +236,14 @@ class NativeStep:
         if not self._handle:
             raise MemoryError("the native step could not allocate its buffers")
         self.isa = ISA_NAMES[self._lib.ns_set_isa(self._handle, len(ISA_NAMES) - 1)]
+        if hold_once and self.isa == "amx" and self._lib.ns_amx_only(self._handle):
+            # Each layer's block of tensors: ln_1, c_attn, c_proj, ln_2, c_fc, c_proj (weight and
+            # bias each), then k and v; the output layer's weight is second to last.
+            per_layer = _WEIGHTS_PER_LAYER + 2
+            for i in range(len(caches)):
+                for at in (2, 4, 8, 10):
+                    self._tensors[2 + i * per_layer + at] = None
+            self._tensors[-2] = None
         # Per-call arguments (tokens, positions, slots, logit rows); like the library's own scratch
         # buffers they make a NativeStep single-threaded: only the engine thread calls it.
         self._args: list[Any] = [(ctypes.c_int64 * self.max_rows)() for _ in range(4)]

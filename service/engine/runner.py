@@ -107,7 +107,7 @@ class ModelRunner:
         self.released_bytes = 0
         if native_max_rows > 0:
             self.native_step = NativeStep(
-                model, self.cache, max_threads=cpu_threads, max_rows=native_max_rows
+                model, self.cache, max_threads=cpu_threads, max_rows=native_max_rows, hold_once=True
             )
             # Every forward now fits the native step (the engine sizes it to its largest step),
             # which holds its own copies of the weights: the model's would only hold them twice

@@ -67,6 +67,7 @@ typedef struct {
     int avx2;   /* AVX2 + FMA kernels (every x86-64 CPU of the last decade) */
     int avx512; /* AVX-512 matrix kernels (where the CPU has AVX-512F); see gemv512 */
     int amx;    /* bfloat16 weights: AMX tile kernels on bf16-rounded inputs; see gemv_amx */
+    int amx_only; /* the panels are gone (ns_amx_only): AMX for good */
     uint16_t *xb; /* per thread, (round32(max_rows), round32(4 C)): a phase's inputs in bf16 (amx) */
     /* Shared activations, (max_rows, width) each; h is per thread (max_threads, 2 max_threads, C),
      * for steps of few rows, where every thread normalises the whole residual itself instead of
@@ -203,6 +204,7 @@ static void gelu(const Model *m, float *x, int n) {
  * bfloat16 panels interleave the two halves of a panel, [p][k][j][h] = W[p * PANEL + 8 h + j][k]
  * (j < 8), so one 32-byte load widens to both halves' vectors with a shift and a mask. */
 #define PANEL 16
+#define ROUND32(n) (((n) + 31) / 32 * 32) /* AMX tiles take inputs in blocks of 32 */
 
 /* Where output feature j of a panel sits among the panel's PANEL values for one input: in order
  * for float32; bfloat16 interleaves the two halves (j and j + 8 side by side, see the kernels). */
@@ -411,11 +413,10 @@ static void gemv(const Model *m, const Linear *l, const float *x, int rows, floa
  * inputs in float32); sums stay float32. A row's outputs still depend on that row alone: every
  * forward of an AMX engine, one row or many, runs this way, so rows are the same bits alone or
  * batched (tested). Weights are copied once into tiles ([panel][32 inputs][16 pairs][16][2],
- * inputs zero-padded to 32); the widening panels stay (the embeddings and the other levels read
- * them). */
+ * inputs zero-padded to 32); the widening panels stay for the other levels unless the caller lets
+ * them go (ns_amx_only: the engine does, so the weights are held once). */
 #define AMX_K 32
 __attribute__((target("amx-tile"))) static void amx_release(void) { _tile_release(); }
-#define ROUND32(n) (((n) + 31) / 32 * 32)
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -745,12 +746,20 @@ static void step_thread(void *arg) {
     int phase = 0;
 
     for (int r = tid; r < rows; r += nt) {
-        /* Token t's embedding: row t of wte, or (tied) output feature t of the head's panels. */
+        /* Token t's embedding: row t of wte, or (tied) output feature t of the head's panels, or of
+         * its AMX tiles once the panels are gone (see ns_amx_only). */
         const int t = (int)job->tok[r];
+        const size_t pe = (size_t)job->pos[r] * c;
+        float *x = m->x + (size_t)r * c;
+        if (!m->wte && !m->head.w) {
+            const uint16_t *tile = m->head.tiles + (size_t)(t / PANEL) * ROUND32(c) * PANEL + (t % PANEL) * 2;
+            for (int i = 0; i < c; i++)
+                x[i] = bf16_to_float(tile[(size_t)(i / 2) * 2 * PANEL + i % 2]) + to_float(m->wpe, m->wt, pe + i);
+            continue;
+        }
         const void *table = m->wte ? m->wte : m->head.w;
         const size_t te = m->wte ? (size_t)t * c : (size_t)(t / PANEL) * c * PANEL + panel_lane(t % PANEL, m->wt);
-        const size_t step = m->wte ? 1 : PANEL, pe = (size_t)job->pos[r] * c;
-        float *x = m->x + (size_t)r * c;
+        const size_t step = m->wte ? 1 : PANEL;
         for (int i = 0; i < c; i++) x[i] = to_float(table, m->wt, te + i * step) + to_float(m->wpe, m->wt, pe + i);
     }
     sync(job);
@@ -823,12 +832,27 @@ static int amx_ready(Model *m) {
 }
 #endif
 
+/* With AMX in use, stop reading the linear layers' panels: the caller may free them (the weights
+ * are then held once, in tile order). Only level 3 is possible afterwards. Returns 1 if done. */
+int ns_amx_only(void *model) {
+    Model *m = model;
+    if (!m->amx) return 0;
+    Linear **all = malloc(sizeof(Linear *) * (size_t)(4 * m->n_layer + 1));
+    if (!all) return 0;
+    const int n = linears(m, all);
+    for (int i = 0; i < n; i++) all[i]->w = NULL;
+    free(all);
+    m->amx_only = 1;
+    return 1;
+}
+
 /* The kernels to use, at most `level` (0 portable C, 1 AVX2 + FMA, 2 AVX-512 matrix kernels, 3 AMX
  * for a bfloat16 model's linear layers) and at most what this CPU has; returns the level in effect.
  * Levels 0-2 compute the same function, 1 and 2 the same bits; level 3 rounds the linear layers'
  * inputs to bfloat16 first (see gemv_amx). (Lower levels are for comparing and benchmarking.) */
 int ns_set_isa(void *model, int level) {
     Model *m = model;
+    if (m->amx_only) return 3;
     m->avx2 = m->avx512 = m->amx = 0;
 #ifdef NS_X86
     m->avx2 = level >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");

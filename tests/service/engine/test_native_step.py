@@ -20,6 +20,7 @@ from model.gpt import GPT
 from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
 from service.engine.native_step import NativeStep, library_path, omp_entry_points
+from service.engine.packed_linear import PackedLinear
 from tests.conftest import IN_CI
 from tests.service.engine.conftest import EngineFactory, collect, make_lively_checkpoint, token_ids
 
@@ -263,17 +264,22 @@ async def test_a_bfloat16_engine_decodes_natively_as_float32_does_with_its_weigh
 ) -> None:
     """dtype bfloat16 on CPU runs on the native step (bf16 weights and cache, float32 arithmetic):
     its greedy tokens are those of the float32 engine given the same bf16-rounded weights (the
-    cache's rounding is the only difference, too small to move these sharp argmaxes)."""
+    cache's rounding is the only difference, too small to move these sharp argmaxes). On an AMX
+    CPU the linear layers' inputs are rounded to bf16 as well, so the float32 engine's are too."""
     rounded = dataclasses.replace(
         lively, state_dict={k: v.to(torch.bfloat16).float() for k, v in lively.state_dict.items()}
     )
     low = make_engine(max_seqs=4, dtype="bfloat16")
-    assert low.runner.native_step is not None
-    # The widening kernels (float32 inputs); AMX rounds the inputs too (tested on the step itself).
-    low.runner.native_step.use_isa("avx512")
-    full = make_engine(rounded, max_seqs=4)
+    amx = low.info()["native_isa"] == "amx"
+    full = make_engine(rounded, max_seqs=4, native_step=not amx)  # torch's forward, to hook
     assert low.info()["native_step"] is True and low.info()["dtype"] == "bfloat16"
     assert low.runner.cache.layers[0].k.dtype == torch.bfloat16  # type: ignore[union-attr]
+    hooks = [
+        module.register_forward_pre_hook(lambda _m, args: (args[0].to(torch.bfloat16).float(), *args[1:]))
+        for module in full.runner.model.modules()
+        if amx and isinstance(module, (torch.nn.Linear, PackedLinear))
+    ]
+    assert not amx or len(hooks) == 4 * lively.config.n_layer + 1
     for prompt in ("hello wor", "The quick brown", "~~ 42 ~~"):
         want = token_ids(await collect(full, prompt, max_new_tokens=40, temperature=0.0))
         got = token_ids(await collect(low, prompt, max_new_tokens=40, temperature=0.0))
@@ -361,3 +367,29 @@ def test_every_kernel_level_computes_the_same_logits(shape: str, dtype: torch.dt
         # The C kernels round each product before adding it (no FMA): float32 rounding apart.
         # (Not for bfloat16: keys and values stored in bf16 turn such a difference into bf16's.)
         torch.testing.assert_close(by_level["avx512"], by_level["c"], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@torch.no_grad()
+def test_on_amx_the_weights_are_held_once_with_the_same_logits(shape: str, tied: bool) -> None:
+    # hold_once drops the linear layers' panels once the AMX tiles hold them; a tied model then
+    # reads its embeddings from the output layer's tiles. Same logits, bit for bit.
+    model = _model(SHAPES[shape]).to(torch.bfloat16)
+    if not tied:
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 0.5)
+    lengths = {0: 7, 1: 12, 2: 3}
+    keep = NativeStep(model, _prefilled(model, 3, lengths, torch.bfloat16), max_threads=2)
+    if keep.isa != "amx":
+        pytest.skip(f"this CPU has no AMX (the native step runs {keep.isa}): nothing is dropped")
+    once = NativeStep(model, _prefilled(model, 3, lengths, torch.bfloat16), max_threads=2, hold_once=True)
+    dropped = sum(t is None for t in once._tensors) - sum(t is None for t in keep._tensors)
+    assert dropped == 4 * model.config.n_layer + 1
+    assert once.use_isa("avx512") == "amx"  # nothing left for the other levels to read
+    torch.set_num_threads(2)
+    try:
+        for tokens in ([5, 9, 2], [40, 1, 0]):
+            positions = [lengths[s] for s in range(3)]
+            assert torch.equal(once(tokens, positions, [0, 1, 2]), keep(tokens, positions, [0, 1, 2]))
+    finally:
+        torch.set_num_threads(1)
