@@ -422,6 +422,22 @@ static const panel512_fn PANELS512[2][2][MAX_R512] = {
 /* y[r][o] (+)= W[o] . x[r] + b[o] for o in [o0, o1) (o0 a multiple of PANEL), r < rows; x rows are
  * `in` apart, y rows `ystride` apart. Panel by panel, so a panel stays in cache across the rows. */
 #ifdef NS_X86
+/* store_panel with 16-wide vectors, from sums `src_stride` floats apart: the same arithmetic
+ * (sum + bias, then + y), so the same bits. */
+__attribute__((target("avx512f"))) static void store512(const Linear *l, float *y, int ystride, int rows, int o,
+                                                       const float *src, int src_stride, int accumulate) {
+    const int n = l->out - o < PANEL ? l->out - o : PANEL;
+    const __mmask16 mask = (__mmask16)((1u << n) - 1u);
+    const __m512 bias = l->b ? _mm512_maskz_loadu_ps(mask, l->b + o) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        float *dst = y + (size_t)r * ystride + o;
+        __m512 v = _mm512_loadu_ps(src + (size_t)r * src_stride);
+        if (l->b) v = _mm512_add_ps(v, bias);
+        if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst), v);
+        _mm512_mask_storeu_ps(dst, mask, v);
+    }
+}
+
 /* gemv with the AVX-512 kernels: panels two at a time (one when a single panel is left). */
 static void gemv512(const Model *m, const Linear *l, const float *x, int rows, float *y, int ystride, int o0,
                     int o1, int accumulate) {
@@ -434,8 +450,8 @@ static void gemv512(const Model *m, const Linear *l, const float *x, int rows, f
             const int n = rows - r < MAX_R512 ? rows - r : MAX_R512;
             float *yr = y + (size_t)r * ystride;
             PANELS512[two][m->wt][n - 1](wp, wp + panel_bytes, l->in, x + (size_t)r * l->in, sums);
-            store_panel(l, yr, ystride, n, o, sums, accumulate);
-            if (two) store_panel(l, yr, ystride, n, o + PANEL, sums + MAX_R512 * PANEL, accumulate);
+            store512(l, yr, ystride, n, o, sums, PANEL, accumulate);
+            if (two) store512(l, yr, ystride, n, o + PANEL, sums + MAX_R512 * PANEL, PANEL, accumulate);
         }
     }
 }
@@ -507,7 +523,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void gemv_amx(const 
                                                                         int o1, int accumulate) {
     const int inp = ROUND32(l->in), kbs = inp / AMX_K;
     const size_t panel_elems = (size_t)inp * PANEL;
-    float sums[2 * MAX_R512 * PANEL], c[4][16 * PANEL];
+    float c[4][16 * PANEL];
     for (int r = 0; r < rows; r += 32) {
         const int n = rows - r < 32 ? rows - r : 32;
         tile_config(n);
@@ -536,14 +552,11 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void gemv_amx(const 
                 _tile_stored(6, c[2], 64);
                 _tile_stored(7, c[3], 64);
             }
-            /* through store_panel, in blocks of MAX_R512 rows, as the other kernels store */
-            for (int h = 0; h < 2 && o + h * PANEL < o1; h++)
-                for (int i0 = 0; i0 < n; i0 += MAX_R512) {
-                    const int m = n - i0 < MAX_R512 ? n - i0 : MAX_R512;
-                    for (int i = 0; i < m; i++)
-                        memcpy(sums + i * PANEL, c[((i0 + i) >= 16) * 2 + h] + ((i0 + i) % 16) * PANEL, PANEL * sizeof(float));
-                    store_panel(l, y + (size_t)(r + i0) * ystride, ystride, m, o + h * PANEL, sums, accumulate);
-                }
+            for (int h = 0; h < 2 && o + h * PANEL < o1; h++) {
+                float *yr = y + (size_t)r * ystride;
+                store512(l, yr, ystride, n < 16 ? n : 16, o + h * PANEL, c[h], PANEL, accumulate);
+                if (n > 16) store512(l, yr + (size_t)16 * ystride, ystride, n - 16, o + h * PANEL, c[2 + h], PANEL, accumulate);
+            }
         }
     }
 }
