@@ -175,8 +175,10 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.ns_free.argtypes = [ctypes.c_void_p]
     lib.ns_set_isa.restype = ctypes.c_int
     lib.ns_set_isa.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    lib.ns_amx_only.restype = ctypes.c_int
-    lib.ns_amx_only.argtypes = [ctypes.c_void_p]
+    for name, args in (("ns_amx_only", [ctypes.c_void_p]), ("ns_amx_possible", [ctypes.c_void_p]),
+                       ("ns_tile_linear", [ctypes.c_void_p, ctypes.c_int])):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = args
     return lib
 
 
@@ -235,18 +237,30 @@ class NativeStep:
         )
         if not self._handle:
             raise MemoryError("the native step could not allocate its buffers")
+        del weights  # self._tensors holds them now: a panel let go of below is freed at once
+        if hold_once and self._lib.ns_amx_possible(self._handle):
+            self._hold_once_in_tiles(len(caches))
         self.isa = ISA_NAMES[self._lib.ns_set_isa(self._handle, len(ISA_NAMES) - 1)]
-        if hold_once and self.isa == "amx" and self._lib.ns_amx_only(self._handle):
-            # Each layer's block of tensors: ln_1, c_attn, c_proj, ln_2, c_fc, c_proj (weight and
-            # bias each), then k and v; the output layer's weight is second to last.
-            per_layer = _WEIGHTS_PER_LAYER + 2
-            for i in range(len(caches)):
-                for at in (2, 4, 8, 10):
-                    self._tensors[2 + i * per_layer + at] = None
-            self._tensors[-2] = None
         # Per-call arguments (tokens, positions, slots, logit rows); like the library's own scratch
         # buffers they make a NativeStep single-threaded: only the engine thread calls it.
         self._args: list[Any] = [(ctypes.c_int64 * self.max_rows)() for _ in range(4)]
+
+    def _hold_once_in_tiles(self, n_layer: int) -> None:
+        """AMX with the weights held once: each linear's tiles are made and its panels freed in
+        turn (all tiles first would hold every weight twice for a while); then only AMX runs."""
+        # Each layer's block of tensors: ln_1, c_attn, c_proj, ln_2, c_fc, c_proj (weight and
+        # bias each), then k and v; the output layer's weight is second to last. The library
+        # numbers the linears in the same order.
+        per_layer = _WEIGHTS_PER_LAYER + 2
+        panels = [2 + i * per_layer + at for i in range(n_layer) for at in (2, 4, 8, 10)]
+        for index, at in enumerate([*panels, len(self._tensors) - 2]):
+            if not self._lib.ns_tile_linear(self._handle, index):
+                raise MemoryError("the native step could not copy its weights into AMX tiles")
+            self._tensors[at] = None
+        # From here the panels are gone: only AMX may run (the library reads none of them then).
+        if self._lib.ns_set_isa(self._handle, ISA_NAMES.index("amx")) != ISA_NAMES.index("amx") or \
+                not self._lib.ns_amx_only(self._handle):
+            raise MemoryError("the native step could not set up AMX after copying its weights")
 
     def use_isa(self, name: str) -> str:
         """Use kernels of at most level `name` (one of ISA_NAMES; for comparisons and benchmarks:

@@ -893,15 +893,19 @@ static int linears(Model *m, Linear **out) {
 #ifdef NS_X86
 /* AMX for this bfloat16 model: the CPU has it, the kernel lets this process use it (Linux asks
  * each process to request the tile state), and the tile copies and input buffers exist. */
-static int amx_ready(Model *m) {
+static int amx_possible(const Model *m) {
     if (m->wt != BF16 || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
-        !__builtin_cpu_supports("avx512f"))
+        !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bf16"))
         return 0;
 #ifdef SYS_arch_prctl
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 #else
     return 0;
 #endif
+}
+
+static int amx_ready(Model *m) {
+    if (!amx_possible(m)) return 0;
     if (!m->xb) {
         m->xb = calloc((size_t)m->max_threads * ROUND32(m->max_rows) * ROUND32(4 * m->n_embd), sizeof(uint16_t));
         if (!m->xb) return 0;
@@ -916,6 +920,39 @@ static int amx_ready(Model *m) {
     return ok;
 }
 #endif
+
+/* Whether level 3 (AMX) can run this model here: the CPU has it, the weights are bfloat16, and the
+ * kernel grants this process the tile state. */
+int ns_amx_possible(void *model) {
+#ifdef NS_X86
+    return amx_possible(model);
+#else
+    (void)model;
+    return 0;
+#endif
+}
+
+/* Make linear i's AMX tiles now (each layer's four in order, then the output layer), so a caller
+ * that frees each panel after its tiles are made never holds two copies of every weight at once
+ * (ns_set_isa would make them all together). Returns 1 if they exist. */
+int ns_tile_linear(void *model, int i) {
+#ifdef NS_X86
+    Model *m = model;
+    Linear **all = malloc(sizeof(Linear *) * (size_t)(4 * m->n_layer + 1));
+    if (!all) return 0;
+    const int n = linears(m, all);
+    int ok = 0;
+    if (i >= 0 && i < n && m->wt == BF16 && all[i]->w) {
+        if (!all[i]->tiles) all[i]->tiles = amx_tiles(all[i]);
+        ok = all[i]->tiles != NULL;
+    }
+    free(all);
+    return ok;
+#else
+    (void)model, (void)i;
+    return 0;
+#endif
+}
 
 /* With AMX in use, stop reading the linear layers' panels: the caller may free them (the weights
  * are then held once, in tile order). Only level 3 is possible afterwards. Returns 1 if done. */
@@ -1010,7 +1047,7 @@ void *ns_create(int n_layer, int n_head, int n_embd, int vocab, int slots, int w
     }
     m->lnf = norm(&p);
     m->head = linear(&p, vocab, c);
-    ns_set_isa(m, 3); /* the best this CPU has */
+    ns_set_isa(m, 2); /* the caller asks for AMX (level 3): its tiles take a copy of the weights */
     return m;
 }
 
