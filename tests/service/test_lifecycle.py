@@ -43,7 +43,11 @@ async def test_drain_on_sigterm_finishes_in_flight_then_exits_zero(tiny_checkpoi
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
             endless = {"inputs": "Hi", "parameters": {"max_new_tokens": 1_000_000}}
             async with client.stream("POST", "/generate_stream", json=endless) as holder:
-                await _next_data(holder.aiter_lines())
+                # Kept referenced: a dropped line iterator gets finalized, which closes the
+                # connection and so cancels the endless request before the signal (the server's
+                # log showed it cancelled first in the runs that failed, under CPU load).
+                holder_lines = holder.aiter_lines()
+                await _next_data(holder_lines)
                 finite = {"inputs": "Hello", "parameters": {"max_new_tokens": 120}}
                 async with client.stream("POST", "/generate_stream", json=finite) as r:
                     lines = r.aiter_lines()
