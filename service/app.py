@@ -61,6 +61,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         device=settings.device,
         dtype=settings.dtype,
         kv_cache_dtype=settings.kv_cache_dtype,
+        native_isa=settings.native_isa,
         max_seqs=settings.max_seqs,
         max_queue=settings.max_queue,
         max_context=settings.max_context,

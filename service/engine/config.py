@@ -9,6 +9,9 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CROP_POLICIES = ("shift", "sliding")
+# The native step's kernel levels, lowest first (decode.c ns_set_isa).
+NATIVE_ISAS = ("c", "avx2", "avx512", "amx")
+_ISAS = ("auto", *NATIVE_ISAS)
 
 
 @dataclass
@@ -42,6 +45,10 @@ class EngineConfig:
     # CPU float32 and bfloat16: every forward (decode rows and prompt chunks) as one native call (see
     # native_step.py); off, or where it cannot run, forwards go through torch's kernels.
     native_step: bool = True
+    # The native step's kernels, at most this level: "auto" (the best the CPU has) or one of c,
+    # avx2, avx512, amx (native_step.ISA_NAMES). Up to avx512 a bfloat16 model keeps its linear
+    # layers' inputs in float32 (the same results on any x86 CPU); amx rounds them to bf16.
+    native_isa: str = "auto"
     # TEST-ONLY hook for exercising fault isolation in a running server. "nan:<marker>": rows
     # whose prompt text contains <marker> get NaN logits; "raise:<marker>": the forward pass
     # raises whenever such a row is in the batch. Never set it in production.
@@ -50,6 +57,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.native_isa not in _ISAS:
+            raise ValueError(f"native_isa must be one of {', '.join(_ISAS)}, got {self.native_isa!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.dtype == "float16" and self.resolved_device() == "cpu":

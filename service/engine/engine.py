@@ -87,7 +87,7 @@ class Engine:
             # The native step's capacity: the largest step this engine runs (0: torch runs them).
             native_max_rows=(max(config.max_seqs, config.prefill_budget, config.idle_prefill_budget)
                              if native else 0),
-            kv_dtype=config.torch_kv_dtype,
+            kv_dtype=config.torch_kv_dtype, native_isa=config.native_isa,
         )
         if config.compile:
             # Shapes vary with batch size, chunk length and attention span: compile dynamically.

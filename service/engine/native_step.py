@@ -35,6 +35,7 @@ from torch import nn
 
 from model.file_pages import FilePages
 from model.gpt import GPT, Block
+from service.engine.config import NATIVE_ISAS
 from service.engine.kv_slots import SpanKVCache
 
 log = logging.getLogger(__name__)
@@ -183,7 +184,7 @@ def _load(path: Path) -> ctypes.CDLL:
 
 
 # The library's kernel levels (ns_set_isa): the best this CPU has is used unless asked otherwise.
-ISA_NAMES = ("c", "avx2", "avx512", "amx")
+ISA_NAMES = NATIVE_ISAS
 
 
 class NativeStep:
@@ -194,11 +195,12 @@ class NativeStep:
 
     def __init__(
         self, model: GPT, cache: SpanKVCache, max_threads: int, use_openmp: bool = True, max_rows: int = 0,
-        hold_once: bool = False,
+        hold_once: bool = False, max_isa: str = "auto",
     ) -> None:
         """`hold_once`: where the AMX kernels run (a bfloat16 model on an AMX CPU), keep only their
         copy of the linear layers' weights and free the panels, which only the other levels read
-        (the engine does: the weights are then held once; `use_isa` then stays at amx)."""
+        (the engine does: the weights are then held once; `use_isa` then stays at amx).
+        `max_isa`: the highest kernel level to use ("auto": the best this CPU has)."""
         path = library_path()
         if path is None:
             raise RuntimeError("service/engine/native/decode.c is not built")
@@ -238,9 +240,10 @@ class NativeStep:
         if not self._handle:
             raise MemoryError("the native step could not allocate its buffers")
         del weights  # self._tensors holds them now: a panel let go of below is freed at once
-        if hold_once and self._lib.ns_amx_possible(self._handle):
+        cap = len(ISA_NAMES) - 1 if max_isa == "auto" else ISA_NAMES.index(max_isa)
+        if hold_once and cap == ISA_NAMES.index("amx") and self._lib.ns_amx_possible(self._handle):
             self._hold_once_in_tiles(len(caches))
-        self.isa = ISA_NAMES[self._lib.ns_set_isa(self._handle, len(ISA_NAMES) - 1)]
+        self.isa = ISA_NAMES[self._lib.ns_set_isa(self._handle, cap)]
         # Per-call arguments (tokens, positions, slots, logit rows); like the library's own scratch
         # buffers they make a NativeStep single-threaded: only the engine thread calls it.
         self._args: list[Any] = [(ctypes.c_int64 * self.max_rows)() for _ in range(4)]

@@ -90,6 +90,7 @@ class ModelRunner:
     def __init__(
         self, model: GPT, slots: int, window: int, usable_vocab: int, deterministic: bool = False,
         cpu_threads: int = 1, native_max_rows: int = 0, kv_dtype: torch.dtype | None = None,
+        native_isa: str = "auto",
     ) -> None:
         self.model = model
         self.device = model.wte.weight.device
@@ -107,7 +108,8 @@ class ModelRunner:
         self.released_bytes = 0
         if native_max_rows > 0:
             self.native_step = NativeStep(
-                model, self.cache, max_threads=cpu_threads, max_rows=native_max_rows, hold_once=True
+                model, self.cache, max_threads=cpu_threads, max_rows=native_max_rows, hold_once=True,
+                max_isa=native_isa,
             )
             # Every forward now fits the native step (the engine sizes it to its largest step),
             # which holds its own copies of the weights: the model's would only hold them twice

@@ -264,26 +264,45 @@ async def test_a_bfloat16_engine_decodes_natively_as_float32_does_with_its_weigh
 ) -> None:
     """dtype bfloat16 on CPU runs on the native step (bf16 weights and cache, float32 arithmetic):
     its greedy tokens are those of the float32 engine given the same bf16-rounded weights (the
-    cache's rounding is the only difference, too small to move these sharp argmaxes). On an AMX
-    CPU the linear layers' inputs are rounded to bf16 as well, so the float32 engine's are too."""
-    rounded = dataclasses.replace(
-        lively, state_dict={k: v.to(torch.bfloat16).float() for k, v in lively.state_dict.items()}
-    )
-    low = make_engine(max_seqs=4, dtype="bfloat16")
-    amx = low.info()["native_isa"] == "amx"
-    full = make_engine(rounded, max_seqs=4, native_step=not amx)  # torch's forward, to hook
+    cache's rounding is the only difference, too small to move these sharp argmaxes). Kernels up
+    to avx512 (`native_isa`) keep the linear layers' inputs in float32 on any CPU."""
+    rounded = _rounded(lively)
+    low = make_engine(max_seqs=4, dtype="bfloat16", native_isa="avx512")
+    full = make_engine(rounded, max_seqs=4)
     assert low.info()["native_step"] is True and low.info()["dtype"] == "bfloat16"
+    assert low.info()["native_isa"] in ("c", "avx2", "avx512")
     assert low.runner.cache.layers[0].k.dtype == torch.bfloat16  # type: ignore[union-attr]
-    hooks = [
-        module.register_forward_pre_hook(lambda _m, args: (args[0].to(torch.bfloat16).float(), *args[1:]))
-        for module in full.runner.model.modules()
-        if amx and isinstance(module, (torch.nn.Linear, PackedLinear))
-    ]
-    assert not amx or len(hooks) == 4 * lively.config.n_layer + 1
     for prompt in ("hello wor", "The quick brown", "~~ 42 ~~"):
         want = token_ids(await collect(full, prompt, max_new_tokens=40, temperature=0.0))
         got = token_ids(await collect(low, prompt, max_new_tokens=40, temperature=0.0))
         assert got == want
+
+
+async def test_an_amx_bfloat16_engine_decodes_as_float32_does_with_its_inputs_rounded(
+    make_engine: EngineFactory, lively: Checkpoint
+) -> None:
+    """On AMX the linear layers' inputs are rounded to bf16 too: the float32 engine on the same
+    rounded weights gives the same greedy tokens when its linear layers round their inputs."""
+    low = make_engine(max_seqs=4, dtype="bfloat16")
+    if low.info()["native_isa"] != "amx":
+        pytest.skip(f"this CPU has no AMX (the native step runs {low.info()['native_isa']})")
+    full = make_engine(_rounded(lively), max_seqs=4, native_step=False)  # torch's forward, to hook
+    hooks = [
+        module.register_forward_pre_hook(lambda _m, args: (args[0].to(torch.bfloat16).float(), *args[1:]))
+        for module in full.runner.model.modules()
+        if isinstance(module, (torch.nn.Linear, PackedLinear))
+    ]
+    assert len(hooks) == 4 * lively.config.n_layer + 1
+    for prompt in ("hello wor", "The quick brown", "~~ 42 ~~"):
+        want = token_ids(await collect(full, prompt, max_new_tokens=40, temperature=0.0))
+        got = token_ids(await collect(low, prompt, max_new_tokens=40, temperature=0.0))
+        assert got == want
+
+
+def _rounded(checkpoint: Checkpoint) -> Checkpoint:
+    """The checkpoint with its weights rounded to bfloat16 and held as float32."""
+    state = {k: v.to(torch.bfloat16).float() for k, v in checkpoint.state_dict.items()}
+    return dataclasses.replace(checkpoint, state_dict=state)
 
 
 async def test_a_bfloat16_kv_cache_halves_the_cache_and_both_paths_agree(
