@@ -412,3 +412,13 @@ def test_on_amx_the_weights_are_held_once_with_the_same_logits(shape: str, tied:
             assert torch.equal(once(tokens, positions, [0, 1, 2]), keep(tokens, positions, [0, 1, 2]))
     finally:
         torch.set_num_threads(1)
+
+
+def test_native_isa_names_a_bad_choice_and_caps_the_kernels() -> None:
+    from service.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="native_isa must be one of auto, c, avx2, avx512, amx, got 'sse'"):
+        EngineConfig(native_isa="sse")
+    model = _model(SHAPES["aligned"])
+    capped = NativeStep(model, _prefilled(model, 1, {}), max_threads=1, max_isa="avx2")
+    assert capped.isa in ("c", "avx2")  # avx2 where the CPU has it, never above the cap
