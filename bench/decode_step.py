@@ -11,7 +11,8 @@ rounds, median per round, best round kept. Also prints the GB/s of weights a bat
 and where the CPU has AVX-512, the native step's time on its AVX2 kernels over its time on the
 AVX-512 ones (the same bits; alternating with the others).
 Writes bench/results/decode-step.md. With --dtypes instead: the native step with float32 or bfloat16
-weights and KV cache, decode rows at --positions (bench/results/decode-step-dtypes.md). Not a
+weights and KV cache, decode rows at --positions (bench/results/decode-step-dtypes.md); where a
+bf16 model runs on AMX, also on the widening kernels. Not a
 test: nothing here asserts a speed.
 """
 
@@ -102,17 +103,21 @@ def bench_shape(shape: str, rows_list: list[int], prefills: list[int], steps: in
 
 def _on_avx2(native: NativeStep, run: Callable[[], None]) -> dict[str, Callable[[], None]]:
     """Where the CPU has AVX-512, the native step again with its AVX2 kernels (same bits)."""
-    if native.isa != "avx512":
-        return {}
+    return {"native avx2": _at_level(native, "avx2", run)} if native.isa == "avx512" else {}
 
-    def on_avx2() -> None:
-        native.use_isa("avx2")
+
+def _at_level(native: NativeStep, level: str, run: Callable[[], None]) -> Callable[[], None]:
+    """`run` with the native step's kernels at `level` (then back to the best)."""
+    best = native.isa
+
+    def at_level() -> None:
+        native.use_isa(level)
         try:
             run()
         finally:
-            native.use_isa("avx512")
+            native.use_isa(best)
 
-    return {"native avx2": on_avx2}
+    return at_level
 
 
 def _avx2_ratio(best: dict[str, float]) -> str:
@@ -147,6 +152,10 @@ def bench_dtypes(
         for position in positions:
             toks, pos, slot = [1] * rows, [position] * rows, list(range(rows))
             fns = {name: (lambda st=st: st(toks, pos, slot)) for name, st in steppers.items()}  # noqa: B023
+            bf16 = steppers["bfloat16 / bfloat16"]
+            if bf16.isa == "amx":  # the same step on the widening kernels: float32 inputs
+                fns["bfloat16 / bfloat16, AVX-512 widening"] = _at_level(
+                    bf16, "avx512", fns["bfloat16 / bfloat16"])  # type: ignore[arg-type]
             best = best_median_s(fns, steps, rounds)  # type: ignore[arg-type]
             first = best[next(iter(VARIANTS))]
             for name, t in best.items():
