@@ -46,7 +46,7 @@ class EngineConfig:
     # native_step.py); off, or where it cannot run, forwards go through torch's kernels.
     native_step: bool = True
     # The native step's kernels, at most this level: "auto" (the best the CPU has) or one of c,
-    # avx2, avx512, amx (native_step.ISA_NAMES). Up to avx512 a bfloat16 model keeps its linear
+    # avx2, avx512, amx (NATIVE_ISAS). Up to avx512 a bfloat16 model keeps its linear
     # layers' inputs in float32 (the same results on any x86 CPU); amx rounds them to bf16.
     native_isa: str = "auto"
     # TEST-ONLY hook for exercising fault isolation in a running server. "nan:<marker>": rows

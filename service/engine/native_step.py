@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 _OMP_ENTRY_POINTS = ("GOMP_parallel", "GOMP_barrier", "omp_get_thread_num", "omp_get_num_threads")
 _LIBRARY_NAME = "_decode"
 _WEIGHTS_PER_LAYER = 12  # ln_1, c_attn, c_proj, ln_2, c_fc, mlp c_proj: weight and bias each
+_LINEAR_WEIGHTS_AT = (2, 4, 8, 10)  # where c_attn, c_proj, c_fc and mlp c_proj's weights are in them
 _TYPES = {torch.float32: 0, torch.bfloat16: 1}  # decode.c's F32, BF16
 
 
@@ -183,10 +184,6 @@ def _load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-# The library's kernel levels (ns_set_isa): the best this CPU has is used unless asked otherwise.
-ISA_NAMES = NATIVE_ISAS
-
-
 class NativeStep:
     """(tokens, positions, slots) of the rows that each feed one token -> logits (B, V).
 
@@ -240,10 +237,10 @@ class NativeStep:
         if not self._handle:
             raise MemoryError("the native step could not allocate its buffers")
         del weights  # self._tensors holds them now: a panel let go of below is freed at once
-        cap = len(ISA_NAMES) - 1 if max_isa == "auto" else ISA_NAMES.index(max_isa)
-        if hold_once and cap == ISA_NAMES.index("amx") and self._lib.ns_amx_possible(self._handle):
+        cap = len(NATIVE_ISAS) - 1 if max_isa == "auto" else NATIVE_ISAS.index(max_isa)
+        if hold_once and cap == NATIVE_ISAS.index("amx") and self._lib.ns_amx_possible(self._handle):
             self._hold_once_in_tiles(len(caches))
-        self.isa = ISA_NAMES[self._lib.ns_set_isa(self._handle, cap)]
+        self.isa = NATIVE_ISAS[self._lib.ns_set_isa(self._handle, cap)]
         # Per-call arguments (tokens, positions, slots, logit rows); like the library's own scratch
         # buffers they make a NativeStep single-threaded: only the engine thread calls it.
         self._args: list[Any] = [(ctypes.c_int64 * self.max_rows)() for _ in range(4)]
@@ -251,25 +248,24 @@ class NativeStep:
     def _hold_once_in_tiles(self, n_layer: int) -> None:
         """AMX with the weights held once: each linear's tiles are made and its panels freed in
         turn (all tiles first would hold every weight twice for a while); then only AMX runs."""
-        # Each layer's block of tensors: ln_1, c_attn, c_proj, ln_2, c_fc, c_proj (weight and
-        # bias each), then k and v; the output layer's weight is second to last. The library
-        # numbers the linears in the same order.
+        # Each layer's block of tensors is its weights, then k and v; the output layer's weight is
+        # second to last. The library numbers the linears in the same order.
         per_layer = _WEIGHTS_PER_LAYER + 2
-        panels = [2 + i * per_layer + at for i in range(n_layer) for at in (2, 4, 8, 10)]
+        panels = [2 + i * per_layer + at for i in range(n_layer) for at in _LINEAR_WEIGHTS_AT]
         for index, at in enumerate([*panels, len(self._tensors) - 2]):
             if not self._lib.ns_tile_linear(self._handle, index):
                 raise MemoryError("the native step could not copy its weights into AMX tiles")
             self._tensors[at] = None
         # From here the panels are gone: only AMX may run (the library reads none of them then).
-        if self._lib.ns_set_isa(self._handle, ISA_NAMES.index("amx")) != ISA_NAMES.index("amx") or \
+        if self._lib.ns_set_isa(self._handle, NATIVE_ISAS.index("amx")) != NATIVE_ISAS.index("amx") or \
                 not self._lib.ns_amx_only(self._handle):
             raise MemoryError("the native step could not set up AMX after copying its weights")
 
     def use_isa(self, name: str) -> str:
-        """Use kernels of at most level `name` (one of ISA_NAMES; for comparisons and benchmarks:
+        """Use kernels of at most level `name` (one of NATIVE_ISAS; for comparisons and benchmarks:
         every level computes the same function, avx2 and avx512 the same bits). Returns the level
         in effect, which is lower where the CPU lacks the instructions."""
-        self.isa = ISA_NAMES[self._lib.ns_set_isa(self._handle, ISA_NAMES.index(name))]
+        self.isa = NATIVE_ISAS[self._lib.ns_set_isa(self._handle, NATIVE_ISAS.index(name))]
         return self.isa
 
     def __call__(

@@ -179,9 +179,9 @@ static void gelu_scalar(float *x, int n) {
 }
 
 #ifdef NS_X86
-/* exp(x) for 8 floats: Cephes' expf (range reduction by ln 2, degree-5 polynomial), within a few
- * ulp of expf. A scalar expf per element made the GELU ~15% of a batch-64 step. */
-/* The body for W-bit vectors (256 or 512): exp256 and exp512 below are the same operations. */
+/* exp(x) for the floats of a W-bit vector (W = 256 or 512: exp256 and exp512 below, the same
+ * operations): Cephes' expf (range reduction by ln 2, degree-5 polynomial), within a few ulp of
+ * expf. A scalar expf per element made the GELU ~15% of a batch-64 step. */
 #define EXP_PS(W, x)                                                                                       \
     do {                                                                                                   \
         x = _mm##W##_max_ps(_mm##W##_min_ps(x, _mm##W##_set1_ps(88.3762626647949f)),                      \
@@ -419,19 +419,16 @@ static const panel512_fn PANELS512[2][2][MAX_R512] = {
     {PANEL512_TABLE(f32, 1), PANEL512_TABLE(bf16, 1)}, {PANEL512_TABLE(f32, 2), PANEL512_TABLE(bf16, 2)}};
 #endif
 
-/* y[r][o] (+)= W[o] . x[r] + b[o] for o in [o0, o1) (o0 a multiple of PANEL), r < rows; x rows are
- * `in` apart, y rows `ystride` apart. Panel by panel, so a panel stays in cache across the rows. */
 #ifdef NS_X86
-/* store_panel with 16-wide vectors, from sums `src_stride` floats apart: the same arithmetic
- * (sum + bias, then + y), so the same bits. */
+/* store_panel with 16-wide vectors: the same arithmetic (sum + bias, then + y), so the same bits. */
 __attribute__((target("avx512f"))) static void store512(const Linear *l, float *y, int ystride, int rows, int o,
-                                                       const float *src, int src_stride, int accumulate) {
+                                                       const float *sums, int accumulate) {
     const int n = l->out - o < PANEL ? l->out - o : PANEL;
     const __mmask16 mask = (__mmask16)((1u << n) - 1u);
     const __m512 bias = l->b ? _mm512_maskz_loadu_ps(mask, l->b + o) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
         float *dst = y + (size_t)r * ystride + o;
-        __m512 v = _mm512_loadu_ps(src + (size_t)r * src_stride);
+        __m512 v = _mm512_loadu_ps(sums + r * PANEL);
         if (l->b) v = _mm512_add_ps(v, bias);
         if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst), v);
         _mm512_mask_storeu_ps(dst, mask, v);
@@ -450,13 +447,15 @@ static void gemv512(const Model *m, const Linear *l, const float *x, int rows, f
             const int n = rows - r < MAX_R512 ? rows - r : MAX_R512;
             float *yr = y + (size_t)r * ystride;
             PANELS512[two][m->wt][n - 1](wp, wp + panel_bytes, l->in, x + (size_t)r * l->in, sums);
-            store512(l, yr, ystride, n, o, sums, PANEL, accumulate);
-            if (two) store512(l, yr, ystride, n, o + PANEL, sums + MAX_R512 * PANEL, PANEL, accumulate);
+            store512(l, yr, ystride, n, o, sums, accumulate);
+            if (two) store512(l, yr, ystride, n, o + PANEL, sums + MAX_R512 * PANEL, accumulate);
         }
     }
 }
 #endif
 
+/* y[r][o] (+)= W[o] . x[r] + b[o] for o in [o0, o1) (o0 a multiple of PANEL), r < rows; x rows are
+ * `in` apart, y rows `ystride` apart. Panel by panel, so a panel stays in cache across the rows. */
 static void gemv(const Model *m, const Linear *l, const float *x, int rows, float *y, int ystride, int o0, int o1,
                  int accumulate) {
 #ifdef NS_X86
@@ -554,12 +553,15 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void gemv_amx(const 
             }
             for (int h = 0; h < 2 && o + h * PANEL < o1; h++) {
                 float *yr = y + (size_t)r * ystride;
-                store512(l, yr, ystride, n < 16 ? n : 16, o + h * PANEL, c[h], PANEL, accumulate);
-                if (n > 16) store512(l, yr + (size_t)16 * ystride, ystride, n - 16, o + h * PANEL, c[2 + h], PANEL, accumulate);
+                store512(l, yr, ystride, n < 16 ? n : 16, o + h * PANEL, c[h], accumulate);
+                if (n > 16) store512(l, yr + (size_t)16 * ystride, ystride, n - 16, o + h * PANEL, c[2 + h], accumulate);
             }
         }
     }
 }
+
+/* Elements of one thread's bf16 inputs buffer: the most rows, each as wide as the widest input. */
+static inline size_t xb_each(const Model *m) { return (size_t)ROUND32(m->max_rows) * ROUND32(4 * m->n_embd); }
 
 /* x (rows, in) float32 -> xb (rows, ROUND32(in)) bfloat16, rounded to nearest even (as torch
  * rounds; denormal inputs become zero), zero-padded. 32 at a time: AMX CPUs have AVX512-BF16. */
@@ -624,7 +626,7 @@ static void gemv_claimed(const Job *job, int phase, const Linear *l, const float
 #ifdef NS_X86
     uint16_t *xb = NULL;
     if (m->amx) { /* every thread rounds the inputs into its own buffer: no barrier for it */
-        xb = m->xb + (size_t)tid * ROUND32(m->max_rows) * ROUND32(4 * m->n_embd);
+        xb = m->xb + (size_t)tid * xb_each(m);
         to_bf16_rows(x, rows, l->in, xb);
     }
 #else
@@ -879,15 +881,15 @@ static void step_thread(void *arg) {
 
 void ns_free(void *model);
 
-/* The model's linear layers (each layer's four, then the output layer's), for visiting them all. */
-static int linears(Model *m, Linear **out) {
-    int n = 0;
-    for (int i = 0; i < m->n_layer; i++) {
-        Layer *L = &m->layers[i];
-        out[n++] = &L->attn, out[n++] = &L->proj, out[n++] = &L->fc, out[n++] = &L->mproj;
-    }
-    out[n++] = &m->head;
-    return n;
+/* The model's linear layers, numbered: each layer's four (attn, proj, fc, mproj), then the output
+ * layer (n_linears(m) - 1). */
+static int n_linears(const Model *m) { return 4 * m->n_layer + 1; }
+
+static Linear *linear_at(Model *m, int i) {
+    if (i == 4 * m->n_layer) return &m->head;
+    Layer *L = &m->layers[i / 4];
+    Linear *const four[4] = {&L->attn, &L->proj, &L->fc, &L->mproj};
+    return four[i % 4];
 }
 
 #ifdef NS_X86
@@ -907,17 +909,14 @@ static int amx_possible(const Model *m) {
 static int amx_ready(Model *m) {
     if (!amx_possible(m)) return 0;
     if (!m->xb) {
-        m->xb = calloc((size_t)m->max_threads * ROUND32(m->max_rows) * ROUND32(4 * m->n_embd), sizeof(uint16_t));
+        m->xb = calloc((size_t)m->max_threads * xb_each(m), sizeof(uint16_t));
         if (!m->xb) return 0;
     }
-    Linear **all = malloc(sizeof(Linear *) * (size_t)(4 * m->n_layer + 1));
-    if (!all) return 0;
-    const int n = linears(m, all);
-    int ok = 1;
-    for (int i = 0; i < n && ok; i++)
-        if (!all[i]->tiles) ok = (all[i]->tiles = amx_tiles(all[i])) != NULL;
-    free(all);
-    return ok;
+    for (int i = 0; i < n_linears(m); i++) {
+        Linear *l = linear_at(m, i);
+        if (!l->tiles && !(l->tiles = amx_tiles(l))) return 0;
+    }
+    return 1;
 }
 #endif
 
@@ -938,16 +937,10 @@ int ns_amx_possible(void *model) {
 int ns_tile_linear(void *model, int i) {
 #ifdef NS_X86
     Model *m = model;
-    Linear **all = malloc(sizeof(Linear *) * (size_t)(4 * m->n_layer + 1));
-    if (!all) return 0;
-    const int n = linears(m, all);
-    int ok = 0;
-    if (i >= 0 && i < n && m->wt == BF16 && all[i]->w) {
-        if (!all[i]->tiles) all[i]->tiles = amx_tiles(all[i]);
-        ok = all[i]->tiles != NULL;
-    }
-    free(all);
-    return ok;
+    if (i < 0 || i >= n_linears(m) || m->wt != BF16) return 0;
+    Linear *l = linear_at(m, i);
+    if (!l->tiles && l->w) l->tiles = amx_tiles(l);
+    return l->tiles != NULL;
 #else
     (void)model, (void)i;
     return 0;
@@ -959,11 +952,7 @@ int ns_tile_linear(void *model, int i) {
 int ns_amx_only(void *model) {
     Model *m = model;
     if (!m->amx) return 0;
-    Linear **all = malloc(sizeof(Linear *) * (size_t)(4 * m->n_layer + 1));
-    if (!all) return 0;
-    const int n = linears(m, all);
-    for (int i = 0; i < n; i++) all[i]->w = NULL;
-    free(all);
+    for (int i = 0; i < n_linears(m); i++) linear_at(m, i)->w = NULL;
     m->amx_only = 1;
     return 1;
 }
@@ -1068,13 +1057,9 @@ void ns_step(void *model, int rows, const int64_t *tok, const int64_t *pos, cons
 void ns_free(void *model) {
     Model *m = model;
     if (!m) return;
-    if (m->layers) {
-        for (int i = 0; i < m->n_layer; i++) {
-            Layer *L = &m->layers[i];
-            free(L->attn.tiles), free(L->proj.tiles), free(L->fc.tiles), free(L->mproj.tiles);
-        }
-    }
-    free(m->head.tiles), free(m->xb);
+    if (m->layers)
+        for (int i = 0; i < n_linears(m); i++) free(linear_at(m, i)->tiles);
+    free(m->xb);
     free(m->layers), free(m->x), free(m->qkv), free(m->y), free(m->f), free(m->h), free(m->hn), free(m->att), free(m->next);
     free(m);
 }

@@ -9,6 +9,7 @@ import dataclasses
 import gc
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,15 +59,16 @@ def _bf16_pair(model: GPT) -> tuple[GPT, GPT]:
 
 
 @contextlib.contextmanager
-def _bf16_inputs(model: GPT, active: bool) -> Iterator[None]:
-    """While active, every linear layer of `model` rounds its input to bfloat16 first, as the
-    native step's AMX kernels do (and torch's bf16 linear layers)."""
+def _bf16_inputs(model: torch.nn.Module, active: bool) -> Iterator[list[Any]]:
+    """While active, every linear layer of `model` (oneDNN-packed ones too) rounds its input to
+    bfloat16 first, as the native step's AMX kernels do (and torch's bf16 linear layers). Yields
+    the hooks, one per linear layer."""
     hooks = [
         module.register_forward_pre_hook(lambda _m, args: (args[0].to(torch.bfloat16).float(), *args[1:]))
-        for module in model.modules() if active and isinstance(module, torch.nn.Linear)
+        for module in model.modules() if active and isinstance(module, (torch.nn.Linear, PackedLinear))
     ]
     try:
-        yield
+        yield hooks
     finally:
         for hook in hooks:
             hook.remove()
@@ -287,16 +289,12 @@ async def test_an_amx_bfloat16_engine_decodes_as_float32_does_with_its_inputs_ro
     if low.info()["native_isa"] != "amx":
         pytest.skip(f"this CPU has no AMX (the native step runs {low.info()['native_isa']})")
     full = make_engine(_rounded(lively), max_seqs=4, native_step=False)  # torch's forward, to hook
-    hooks = [
-        module.register_forward_pre_hook(lambda _m, args: (args[0].to(torch.bfloat16).float(), *args[1:]))
-        for module in full.runner.model.modules()
-        if isinstance(module, (torch.nn.Linear, PackedLinear))
-    ]
-    assert len(hooks) == 4 * lively.config.n_layer + 1
-    for prompt in ("hello wor", "The quick brown", "~~ 42 ~~"):
-        want = token_ids(await collect(full, prompt, max_new_tokens=40, temperature=0.0))
-        got = token_ids(await collect(low, prompt, max_new_tokens=40, temperature=0.0))
-        assert got == want
+    with _bf16_inputs(full.runner.model, True) as hooks:
+        assert len(hooks) == 4 * lively.config.n_layer + 1
+        for prompt in ("hello wor", "The quick brown", "~~ 42 ~~"):
+            want = token_ids(await collect(full, prompt, max_new_tokens=40, temperature=0.0))
+            got = token_ids(await collect(low, prompt, max_new_tokens=40, temperature=0.0))
+            assert got == want
 
 
 def _rounded(checkpoint: Checkpoint) -> Checkpoint:
