@@ -12,7 +12,7 @@ and where the CPU has AVX-512, the native step's time on its AVX2 kernels over i
 AVX-512 ones (the same bits; alternating with the others).
 Writes bench/results/decode-step.md. With --dtypes instead: the native step with float32 or bfloat16
 weights and KV cache, decode rows at --positions (bench/results/decode-step-dtypes.md); where a
-bf16 model runs on AMX, also on the widening kernels. Not a
+bf16 model runs on a tile level (AVX512-BF16 or AMX), also on the widening kernels. Not a
 test: nothing here asserts a speed.
 """
 
@@ -33,6 +33,7 @@ from bench.engine import SHAPES, machine
 from bench.timing import best_median_s
 from model.config import GPTConfig
 from model.gpt import GPT
+from service.engine.config import TILE_ISAS
 from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
 from service.engine.native_step import NativeStep
@@ -153,7 +154,7 @@ def bench_dtypes(
             toks, pos, slot = [1] * rows, [position] * rows, list(range(rows))
             fns = {name: (lambda st=st: st(toks, pos, slot)) for name, st in steppers.items()}  # noqa: B023
             bf16 = steppers["bfloat16 / bfloat16"]
-            if bf16.isa == "amx":  # the same step on the widening kernels: float32 inputs
+            if bf16.isa in TILE_ISAS:  # the same step on the widening kernels: float32 inputs
                 fns["bfloat16 / bfloat16, AVX-512 widening"] = _at_level(
                     bf16, "avx512", fns["bfloat16 / bfloat16"])  # type: ignore[arg-type]
             best = best_median_s(fns, steps, rounds)  # type: ignore[arg-type]

@@ -46,11 +46,11 @@ class Settings(BaseSettings):
         description="KV cache element type: auto (the model's dtype), float32, bfloat16 (half the "
         "memory; keys and values rounded to bf16), float16 (GPU only).",
     )
-    native_isa: Literal["auto", "c", "avx2", "avx512", "amx"] = Field(
+    native_isa: Literal["auto", "c", "avx2", "avx512", "avx512bf16", "amx"] = Field(
         default="auto",
         description="The native step's kernels, at most: auto (the best this CPU has), c, avx2, avx512, "
-        "amx. amx rounds a bfloat16 model's linear inputs to bf16; up to avx512 they stay float32, "
-        "the same results on any x86 CPU.",
+        "avx512bf16, amx. avx512bf16 and amx round a bfloat16 model's linear inputs to bf16; up to "
+        "avx512 they stay float32, the same results on any x86 CPU.",
     )
     host: str = Field(default="127.0.0.1", min_length=1, description="Address to listen on.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")

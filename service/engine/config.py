@@ -9,8 +9,10 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CROP_POLICIES = ("shift", "sliding")
-# The native step's kernel levels, lowest first (decode.c ns_set_isa).
-NATIVE_ISAS = ("c", "avx2", "avx512", "amx")
+# The native step's kernel levels, lowest first (decode.c ns_set_isa). The tile levels run a
+# bfloat16 model's linear layers on bf16 dot products, their inputs rounded to bf16 first.
+NATIVE_ISAS = ("c", "avx2", "avx512", "avx512bf16", "amx")
+TILE_ISAS = ("avx512bf16", "amx")
 _ISAS = ("auto", *NATIVE_ISAS)
 
 
@@ -46,8 +48,9 @@ class EngineConfig:
     # native_step.py); off, or where it cannot run, forwards go through torch's kernels.
     native_step: bool = True
     # The native step's kernels, at most this level: "auto" (the best the CPU has) or one of c,
-    # avx2, avx512, amx (NATIVE_ISAS). Up to avx512 a bfloat16 model keeps its linear
-    # layers' inputs in float32 (the same results on any x86 CPU); amx rounds them to bf16.
+    # avx2, avx512, avx512bf16, amx (NATIVE_ISAS). Up to avx512 a bfloat16 model keeps its linear
+    # layers' inputs in float32 (the same results on any x86 CPU); avx512bf16 and amx round them
+    # to bf16 (bf16 dot products: AMD Zen 4/5 and Intel Cooper Lake, or Intel's AMX).
     native_isa: str = "auto"
     # TEST-ONLY hook for exercising fault isolation in a running server. "nan:<marker>": rows
     # whose prompt text contains <marker> get NaN logits; "raise:<marker>": the forward pass

@@ -35,7 +35,7 @@ from torch import nn
 
 from model.file_pages import FilePages
 from model.gpt import GPT, Block
-from service.engine.config import NATIVE_ISAS
+from service.engine.config import NATIVE_ISAS, TILE_ISAS
 from service.engine.kv_slots import SpanKVCache
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.ns_free.argtypes = [ctypes.c_void_p]
     lib.ns_set_isa.restype = ctypes.c_int
     lib.ns_set_isa.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    for name, args in (("ns_amx_only", [ctypes.c_void_p]), ("ns_amx_possible", [ctypes.c_void_p]),
+    for name, args in (("ns_tiles_only", [ctypes.c_void_p]), ("ns_tiles_possible", [ctypes.c_void_p]),
                        ("ns_tile_linear", [ctypes.c_void_p, ctypes.c_int])):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = args
@@ -194,9 +194,10 @@ class NativeStep:
         self, model: GPT, cache: SpanKVCache, max_threads: int, use_openmp: bool = True, max_rows: int = 0,
         hold_once: bool = False, max_isa: str = "auto",
     ) -> None:
-        """`hold_once`: where the AMX kernels run (a bfloat16 model on an AMX CPU), keep only their
-        copy of the linear layers' weights and free the panels, which only the other levels read
-        (the engine does: the weights are then held once; `use_isa` then stays at amx).
+        """`hold_once`: where a tile level runs (a bfloat16 model on a CPU with AVX512-BF16 or AMX),
+        keep only the tile copy of the linear layers' weights and free the panels, which only the
+        lower levels read (the engine does: the weights are then held once; `use_isa` then stays at
+        a tile level).
         `max_isa`: the highest kernel level to use ("auto": the best this CPU has)."""
         path = library_path()
         if path is None:
@@ -238,33 +239,35 @@ class NativeStep:
             raise MemoryError("the native step could not allocate its buffers")
         del weights  # self._tensors holds them now: a panel let go of below is freed at once
         cap = len(NATIVE_ISAS) - 1 if max_isa == "auto" else NATIVE_ISAS.index(max_isa)
-        if hold_once and cap == NATIVE_ISAS.index("amx") and self._lib.ns_amx_possible(self._handle):
-            self._hold_once_in_tiles(len(caches))
+        best_tiles = self._lib.ns_tiles_possible(self._handle)
+        if hold_once and best_tiles and cap >= NATIVE_ISAS.index(TILE_ISAS[0]):
+            self._hold_once_in_tiles(len(caches), min(cap, best_tiles))
         self.isa = NATIVE_ISAS[self._lib.ns_set_isa(self._handle, cap)]
         # Per-call arguments (tokens, positions, slots, logit rows); like the library's own scratch
         # buffers they make a NativeStep single-threaded: only the engine thread calls it.
         self._args: list[Any] = [(ctypes.c_int64 * self.max_rows)() for _ in range(4)]
 
-    def _hold_once_in_tiles(self, n_layer: int) -> None:
-        """AMX with the weights held once: each linear's tiles are made and its panels freed in
-        turn (all tiles first would hold every weight twice for a while); then only AMX runs."""
+    def _hold_once_in_tiles(self, n_layer: int, level: int) -> None:
+        """A tile level with the weights held once: each linear's tiles are made and its panels
+        freed in turn (all tiles first would hold every weight twice for a while); then only the
+        tile levels run."""
         # Each layer's block of tensors is its weights, then k and v; the output layer's weight is
         # second to last. The library numbers the linears in the same order.
         per_layer = _WEIGHTS_PER_LAYER + 2
         panels = [2 + i * per_layer + at for i in range(n_layer) for at in _LINEAR_WEIGHTS_AT]
         for index, at in enumerate([*panels, len(self._tensors) - 2]):
             if not self._lib.ns_tile_linear(self._handle, index):
-                raise MemoryError("the native step could not copy its weights into AMX tiles")
+                raise MemoryError("the native step could not copy its weights into tiles")
             self._tensors[at] = None
-        # From here the panels are gone: only AMX may run (the library reads none of them then).
-        if self._lib.ns_set_isa(self._handle, NATIVE_ISAS.index("amx")) != NATIVE_ISAS.index("amx") or \
-                not self._lib.ns_amx_only(self._handle):
-            raise MemoryError("the native step could not set up AMX after copying its weights")
+        # From here the panels are gone: only the tile levels may run (the library reads none of them).
+        if self._lib.ns_set_isa(self._handle, level) != level or not self._lib.ns_tiles_only(self._handle):
+            raise MemoryError("the native step could not set up its tile kernels after copying its weights")
 
     def use_isa(self, name: str) -> str:
         """Use kernels of at most level `name` (one of NATIVE_ISAS; for comparisons and benchmarks:
-        every level computes the same function, avx2 and avx512 the same bits). Returns the level
-        in effect, which is lower where the CPU lacks the instructions."""
+        levels up to avx512 compute the same function, avx2 and avx512 the same bits; the tile
+        levels round a bf16 model's linear inputs). Returns the level in effect, which is lower
+        where the CPU lacks the instructions (or a tile level once the panels are gone)."""
         self.isa = NATIVE_ISAS[self._lib.ns_set_isa(self._handle, NATIVE_ISAS.index(name))]
         return self.isa
 

@@ -43,7 +43,7 @@ typedef struct {
     const void *w; /* (out, in) packed in panels of the model's weight type, see gemv */
     const float *b; /* (out,) or NULL */
     int out, in;
-    uint16_t *tiles; /* bfloat16 weights laid out for AMX (see gemv_amx), or NULL */
+    uint16_t *tiles; /* bfloat16 weights in input pairs, for AMX and AVX512-BF16 (amx_tiles), or NULL */
 } Linear;
 
 typedef struct {
@@ -66,9 +66,10 @@ typedef struct {
     Linear head;
     int avx2;   /* AVX2 + FMA kernels (every x86-64 CPU of the last decade) */
     int avx512; /* AVX-512 matrix kernels (where the CPU has AVX-512F); see gemv512 */
+    int dpbf16; /* bfloat16 weights: AVX512-BF16 dot products on bf16-rounded inputs; see gemv_dp */
     int amx;    /* bfloat16 weights: AMX tile kernels on bf16-rounded inputs; see gemv_amx */
-    int amx_only; /* the panels are gone (ns_amx_only): AMX for good */
-    uint16_t *xb; /* per thread, (round32(max_rows), round32(4 C)): a phase's inputs in bf16 (amx) */
+    int tiles_only; /* the panels are gone (ns_tiles_only): only the levels that read tiles run */
+    uint16_t *xb; /* per thread, (round32(max_rows), round32(4 C)): a phase's inputs in bf16 */
     /* Shared activations, (max_rows, width) each; h is per thread (max_threads, 2 max_threads, C),
      * for steps of few rows, where every thread normalises the whole residual itself instead of
      * waiting at a barrier; hn holds the normalised rows of larger steps (see normalise). */
@@ -492,7 +493,7 @@ static void gemv(const Model *m, const Linear *l, const float *x, int rows, floa
  * forward of an AMX engine, one row or many, runs this way, so rows are the same bits alone or
  * batched (tested). Weights are copied once into tiles ([panel][32 inputs][16 pairs][16][2],
  * inputs zero-padded to 32); the widening panels stay for the other levels unless the caller lets
- * them go (ns_amx_only: the engine does, so the weights are held once). */
+ * them go (ns_tiles_only: the engine does, so the weights are held once). */
 #define AMX_K 32
 __attribute__((target("amx-tile"))) static void amx_release(void) { _tile_release(); }
 
@@ -595,6 +596,84 @@ static uint16_t *amx_tiles(const Linear *l) {
                     w[(size_t)p * l->in * PANEL + (size_t)k * PANEL + panel_lane(j, BF16)];
     return t;
 }
+
+/* ---------------------------------------------------------------- AVX512-BF16 (bfloat16 models)
+
+ * CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and 5, Intel Cooper Lake) multiply bf16 on vectors:
+ * VDPBF16PS adds to each of 16 float32 lanes the products of a pair of bf16 inputs with a pair of
+ * bf16 weights. One 64-byte row of an AMX tile copy (amx_tiles) is exactly such an operand: one
+ * input pair for a panel's 16 features, in feature order. So this level reads the same tile copy
+ * and the same bf16-rounded inputs as AMX (a bfloat16 model computes the same function as on AMX,
+ * to float32 rounding), with twice the multiply-adds of a float32 FMA per instruction and no
+ * widening of the weights. Each output is one chain over the input pairs in order, whatever the
+ * number of rows: a row's result never depends on the rows beside it (tested). The widening
+ * kernels, which keep the inputs in float32, remain for float32 models and below this level. */
+#define ROWDP(r)                                                                                           \
+    if (R > r) {                                                                                           \
+        int32_t pair;                                                                                      \
+        memcpy(&pair, x + (size_t)(r) * inp + 2 * (size_t)kk, sizeof pair);                                \
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);                                             \
+        a##r = _mm512_dpbf16_ps(a##r, w0, xv);                                                             \
+        if (P > 1) b##r = _mm512_dpbf16_ps(b##r, w1, xv);                                                  \
+    }
+#define STOREDP(r)                                                                                         \
+    if (R > r) {                                                                                           \
+        _mm512_storeu_ps(sums + (r) * PANEL, a##r);                                                        \
+        if (P > 1) _mm512_storeu_ps(sums + (MAX_R512 + (r)) * PANEL, b##r);                               \
+    }
+/* Rows N (x: bf16, rows inp apart) against P tile panels (wp, and wp2 for the second). */
+#define PANELDP(NAME, N, NP)                                                                               \
+    __attribute__((target("avx512f,avx512bf16"))) static void NAME(const uint16_t *wp, const uint16_t *wp2, \
+                                                                   int inp, const uint16_t *x, float *sums) { \
+        enum { R = N, P = NP };                                                                            \
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0,   \
+               a8 = a0, a9 = a0, a10 = a0, a11 = a0;                                                       \
+        __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0, b8 = a0, b9 = a0,  \
+               b10 = a0, b11 = a0;                                                                         \
+        (void)wp2;                                                                                         \
+        for (int kk = 0; kk < inp / 2; kk++) {                                                             \
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(wp + (size_t)kk * 2 * PANEL)); \
+            const __m512bh w1 =                                                                            \
+                P > 1 ? (__m512bh)_mm512_loadu_si512((const void *)(wp2 + (size_t)kk * 2 * PANEL)) : w0;  \
+            ROWDP(0) ROWDP(1) ROWDP(2) ROWDP(3) ROWDP(4) ROWDP(5)                                           \
+            ROWDP(6) ROWDP(7) ROWDP(8) ROWDP(9) ROWDP(10) ROWDP(11)                                         \
+        }                                                                                                  \
+        STOREDP(0) STOREDP(1) STOREDP(2) STOREDP(3) STOREDP(4) STOREDP(5)                                   \
+        STOREDP(6) STOREDP(7) STOREDP(8) STOREDP(9) STOREDP(10) STOREDP(11)                                 \
+    }
+#define PANELDP_KERNELS(NP)                                                                                \
+    PANELDP(pdp_##NP##_1, 1, NP) PANELDP(pdp_##NP##_2, 2, NP) PANELDP(pdp_##NP##_3, 3, NP)                \
+    PANELDP(pdp_##NP##_4, 4, NP) PANELDP(pdp_##NP##_5, 5, NP) PANELDP(pdp_##NP##_6, 6, NP)                \
+    PANELDP(pdp_##NP##_7, 7, NP) PANELDP(pdp_##NP##_8, 8, NP) PANELDP(pdp_##NP##_9, 9, NP)                \
+    PANELDP(pdp_##NP##_10, 10, NP) PANELDP(pdp_##NP##_11, 11, NP) PANELDP(pdp_##NP##_12, 12, NP)
+PANELDP_KERNELS(1)
+PANELDP_KERNELS(2)
+
+typedef void (*paneldp_fn)(const uint16_t *wp, const uint16_t *wp2, int inp, const uint16_t *x, float *sums);
+#define PANELDP_TABLE(NP)                                                                                  \
+    {pdp_##NP##_1, pdp_##NP##_2, pdp_##NP##_3, pdp_##NP##_4, pdp_##NP##_5, pdp_##NP##_6,                  \
+     pdp_##NP##_7, pdp_##NP##_8, pdp_##NP##_9, pdp_##NP##_10, pdp_##NP##_11, pdp_##NP##_12}
+static const paneldp_fn PANELSDP[2][MAX_R512] = {PANELDP_TABLE(1), PANELDP_TABLE(2)}; /* [panels - 1][rows - 1] */
+
+/* gemv_amx's product with VDPBF16PS: panels two at a time (one when a single panel is left), rows
+ * in blocks of MAX_R512, each block's sums stored as the AVX-512 kernels store theirs. */
+static void gemv_dp(const Linear *l, const uint16_t *xb, int rows, float *y, int ystride, int o0, int o1,
+                    int accumulate) {
+    const int inp = ROUND32(l->in);
+    const size_t panel_elems = (size_t)inp * PANEL;
+    float sums[2 * MAX_R512 * PANEL];
+    for (int o = o0; o < o1; o += 2 * PANEL) {
+        const uint16_t *wp = l->tiles + (size_t)(o / PANEL) * panel_elems;
+        const int two = o + PANEL < o1;
+        for (int r = 0; r < rows; r += MAX_R512) {
+            const int n = rows - r < MAX_R512 ? rows - r : MAX_R512;
+            float *yr = y + (size_t)r * ystride;
+            PANELSDP[two][n - 1](wp, wp + panel_elems, inp, xb + (size_t)r * inp, sums);
+            store512(l, yr, ystride, n, o, sums, accumulate);
+            if (two) store512(l, yr, ystride, n, o + PANEL, sums + MAX_R512 * PANEL, accumulate);
+        }
+    }
+}
 #endif
 
 /* Work is claimed, not dealt: each thread takes the next `chunk` items of a phase from a shared
@@ -622,10 +701,10 @@ static void gemv_claimed(const Job *job, int phase, const Linear *l, const float
     const Model *m = job->m;
     const int panels = (l->out + PANEL - 1) / PANEL;
     int chunk = chunk_of(panels, nt);
-    if (m->avx512 && chunk % 2) chunk++; /* its kernels take panels in pairs */
+    if (m->avx512 && chunk % 2) chunk++; /* its kernels (and the tile levels') take panels in pairs */
 #ifdef NS_X86
     uint16_t *xb = NULL;
-    if (m->amx) { /* every thread rounds the inputs into its own buffer: no barrier for it */
+    if (m->amx || m->dpbf16) { /* every thread rounds the inputs into its own buffer: no barrier for it */
         xb = m->xb + (size_t)tid * xb_each(m);
         to_bf16_rows(x, rows, l->in, xb);
     }
@@ -635,8 +714,10 @@ static void gemv_claimed(const Job *job, int phase, const Linear *l, const float
     for (int p = claim(job, phase, chunk); p < panels; p = claim(job, phase, chunk)) {
         const int o0 = p * PANEL, o1 = (p + chunk) * PANEL < l->out ? (p + chunk) * PANEL : l->out;
 #ifdef NS_X86
-        if (xb)
+        if (xb && m->amx)
             gemv_amx(l, xb, rows, y, ystride, o0, o1, accumulate);
+        else if (xb)
+            gemv_dp(l, xb, rows, y, ystride, o0, o1, accumulate);
         else
 #endif
             gemv(m, l, x, rows, y, ystride, o0, o1, accumulate);
@@ -834,7 +915,7 @@ static void step_thread(void *arg) {
 
     for (int r = tid; r < rows; r += nt) {
         /* Token t's embedding: row t of wte, or (tied) output feature t of the head's panels, or of
-         * its AMX tiles once the panels are gone (see ns_amx_only). */
+         * its tile copy once the panels are gone (see ns_tiles_only). */
         const int t = (int)job->tok[r];
         const size_t pe = (size_t)job->pos[r] * c;
         float *x = m->x + (size_t)r * c;
@@ -892,22 +973,27 @@ static Linear *linear_at(Model *m, int i) {
     return four[i % 4];
 }
 
+/* Kernel levels (ns_set_isa). The two tile levels read the bf16 tile copy and round inputs. */
+enum { ISA_C, ISA_AVX2, ISA_AVX512, ISA_AVX512BF16, ISA_AMX };
+
 #ifdef NS_X86
-/* AMX for this bfloat16 model: the CPU has it, the kernel lets this process use it (Linux asks
- * each process to request the tile state), and the tile copies and input buffers exist. */
-static int amx_possible(const Model *m) {
-    if (m->wt != BF16 || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
-        !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bf16"))
-        return 0;
+/* The best tile level this bfloat16 model can run here: AVX512-BF16 where the CPU has it, AMX where
+ * it also has AMX and the kernel lets this process use it (Linux asks each process to request the
+ * tile state); ISA_C (none) for a float32 model or an older CPU. */
+static int tiles_possible(const Model *m) {
+    if (m->wt != BF16 || !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bf16"))
+        return ISA_C;
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return ISA_AVX512BF16;
 #ifdef SYS_arch_prctl
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-#else
-    return 0;
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0)
+        return ISA_AMX;
 #endif
+    return ISA_AVX512BF16;
 }
 
-static int amx_ready(Model *m) {
-    if (!amx_possible(m)) return 0;
+/* Tile level `level` can run: possible here, and the tile copies and input buffers exist. */
+static int tiles_ready(Model *m, int level) {
+    if (tiles_possible(m) < level) return 0;
     if (!m->xb) {
         m->xb = calloc((size_t)m->max_threads * xb_each(m), sizeof(uint16_t));
         if (!m->xb) return 0;
@@ -920,18 +1006,17 @@ static int amx_ready(Model *m) {
 }
 #endif
 
-/* Whether level 3 (AMX) can run this model here: the CPU has it, the weights are bfloat16, and the
- * kernel grants this process the tile state. */
-int ns_amx_possible(void *model) {
+/* The best level that reads the tile copy for this model here (3 AVX512-BF16, 4 AMX), or 0. */
+int ns_tiles_possible(void *model) {
 #ifdef NS_X86
-    return amx_possible(model);
+    return tiles_possible(model);
 #else
     (void)model;
     return 0;
 #endif
 }
 
-/* Make linear i's AMX tiles now (each layer's four in order, then the output layer), so a caller
+/* Make linear i's tile copy now (each layer's four in order, then the output layer), so a caller
  * that frees each panel after its tiles are made never holds two copies of every weight at once
  * (ns_set_isa would make them all together). Returns 1 if they exist. */
 int ns_tile_linear(void *model, int i) {
@@ -947,30 +1032,33 @@ int ns_tile_linear(void *model, int i) {
 #endif
 }
 
-/* With AMX in use, stop reading the linear layers' panels: the caller may free them (the weights
- * are then held once, in tile order). Only level 3 is possible afterwards. Returns 1 if done. */
-int ns_amx_only(void *model) {
+/* With a tile level in use, stop reading the linear layers' panels: the caller may free them (the
+ * weights are then held once, in tile order). Only the tile levels run afterwards. Returns 1 if done. */
+int ns_tiles_only(void *model) {
     Model *m = model;
-    if (!m->amx) return 0;
+    if (!m->amx && !m->dpbf16) return 0;
     for (int i = 0; i < n_linears(m); i++) linear_at(m, i)->w = NULL;
-    m->amx_only = 1;
+    m->tiles_only = 1;
     return 1;
 }
 
-/* The kernels to use, at most `level` (0 portable C, 1 AVX2 + FMA, 2 AVX-512 matrix kernels, 3 AMX
- * for a bfloat16 model's linear layers) and at most what this CPU has; returns the level in effect.
- * Levels 0-2 compute the same function, 1 and 2 the same bits; level 3 rounds the linear layers'
- * inputs to bfloat16 first (see gemv_amx). (Lower levels are for comparing and benchmarking.) */
+/* The kernels to use, at most `level` (0 portable C, 1 AVX2 + FMA, 2 AVX-512 matrix kernels, 3
+ * AVX512-BF16 and 4 AMX for a bfloat16 model's linear layers) and at most what this CPU has; returns
+ * the level in effect. Levels 0-2 compute the same function, 1 and 2 the same bits; levels 3 and 4
+ * round the linear layers' inputs to bfloat16 first (see gemv_dp, gemv_amx). Once the panels are
+ * gone (ns_tiles_only) a request below level 3 gets level 3. (Lower levels are for comparing and
+ * benchmarking.) */
 int ns_set_isa(void *model, int level) {
     Model *m = model;
-    if (m->amx_only) return 3;
-    m->avx2 = m->avx512 = m->amx = 0;
+    if (m->tiles_only && level < ISA_AVX512BF16) level = ISA_AVX512BF16;
+    m->avx2 = m->avx512 = m->dpbf16 = m->amx = 0;
 #ifdef NS_X86
-    m->avx2 = level >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    m->avx512 = m->avx2 && level >= 2 && __builtin_cpu_supports("avx512f");
-    m->amx = m->avx512 && level >= 3 && amx_ready(m);
+    m->avx2 = level >= ISA_AVX2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    m->avx512 = m->avx2 && level >= ISA_AVX512 && __builtin_cpu_supports("avx512f");
+    m->amx = m->avx512 && level >= ISA_AMX && tiles_ready(m, ISA_AMX);
+    m->dpbf16 = !m->amx && m->avx512 && level >= ISA_AVX512BF16 && tiles_ready(m, ISA_AVX512BF16);
 #endif
-    return m->amx ? 3 : m->avx512 ? 2 : m->avx2 ? 1 : 0;
+    return m->amx ? ISA_AMX : m->dpbf16 ? ISA_AVX512BF16 : m->avx512 ? ISA_AVX512 : m->avx2 ? ISA_AVX2 : ISA_C;
 }
 
 static Linear linear(const void *const **p, int out, int in) {
@@ -1036,7 +1124,7 @@ void *ns_create(int n_layer, int n_head, int n_embd, int vocab, int slots, int w
     }
     m->lnf = norm(&p);
     m->head = linear(&p, vocab, c);
-    ns_set_isa(m, 2); /* the caller asks for AMX (level 3): its tiles take a copy of the weights */
+    ns_set_isa(m, ISA_AVX512); /* the caller asks for a tile level: its tiles take a copy of the weights */
     return m;
 }
 

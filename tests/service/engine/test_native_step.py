@@ -18,6 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.config import GPTConfig
 from model.gpt import GPT
+from service.engine.config import TILE_ISAS
 from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
 from service.engine.native_step import NativeStep, library_path, omp_entry_points
@@ -61,7 +62,7 @@ def _bf16_pair(model: GPT) -> tuple[GPT, GPT]:
 @contextlib.contextmanager
 def _bf16_inputs(model: torch.nn.Module, active: bool) -> Iterator[list[Any]]:
     """While active, every linear layer of `model` (oneDNN-packed ones too) rounds its input to
-    bfloat16 first, as the native step's AMX kernels do (and torch's bf16 linear layers). Yields
+    bfloat16 first, as the native step's tile levels do (and torch's bf16 linear layers). Yields
     the hooks, one per linear layer."""
     hooks = [
         module.register_forward_pre_hook(lambda _m, args: (args[0].to(torch.bfloat16).float(), *args[1:]))
@@ -144,14 +145,14 @@ def test_prompt_chunks_and_decode_rows_in_one_call_match_the_model(shape: str, d
     """A decode row, a first prompt chunk and a later chunk, in one call: every row's logits are
     the model's for that position (a chunk's rows attend to each other's keys). A bfloat16 model
     (weights and cache in bf16, arithmetic in float32) gives the logits of the float32 model with
-    the same weights over a bf16 cache, which torch's forward runs by widening the cache; on AMX,
-    with each linear layer's input rounded to bf16 as well."""
+    the same weights over a bf16 cache, which torch's forward runs by widening the cache; on a
+    tile level (AVX512-BF16 or AMX), with each linear layer's input rounded to bf16 as well."""
     model = native_model = _model(SHAPES[shape])
     if dtype == torch.bfloat16:
         native_model, model = _bf16_pair(model)
     lengths = {2: 10, 5: 12}
-    amx = NativeStep(native_model, _prefilled(model, 1, {}, dtype), max_threads=1).isa == "amx"
-    with _bf16_inputs(model, amx):  # the caches must be filled the same way
+    tiles = NativeStep(native_model, _prefilled(model, 1, {}, dtype), max_threads=1).isa in TILE_ISAS
+    with _bf16_inputs(model, tiles):  # the caches must be filled the same way
         native_cache = _prefilled(model, 8, lengths, dtype)
         torch_cache = _prefilled(model, 8, lengths, dtype)
     native = NativeStep(native_model, native_cache, max_threads=2, max_rows=32)
@@ -163,7 +164,7 @@ def test_prompt_chunks_and_decode_rows_in_one_call_match_the_model(shape: str, d
         torch_cache.prepare([slot], [start + n])
         pos = torch.arange(start, start + n)
         row_slot = torch.tensor([slot])
-        with _bf16_inputs(model, amx):
+        with _bf16_inputs(model, tiles):
             out = model(toks.view(1, -1), input_pos=pos.view(1, -1), cache=torch_cache, slots=row_slot)
         want.append(out[0])
         tokens += toks.tolist()
@@ -280,14 +281,15 @@ async def test_a_bfloat16_engine_decodes_natively_as_float32_does_with_its_weigh
         assert got == want
 
 
-async def test_an_amx_bfloat16_engine_decodes_as_float32_does_with_its_inputs_rounded(
+async def test_a_bfloat16_engine_on_bf16_dot_products_decodes_as_float32_does_with_its_inputs_rounded(
     make_engine: EngineFactory, lively: Checkpoint
 ) -> None:
-    """On AMX the linear layers' inputs are rounded to bf16 too: the float32 engine on the same
-    rounded weights gives the same greedy tokens when its linear layers round their inputs."""
+    """On a tile level (AVX512-BF16 or AMX) the linear layers' inputs are rounded to bf16 too: the
+    float32 engine on the same rounded weights gives the same greedy tokens when its linear layers
+    round their inputs."""
     low = make_engine(max_seqs=4, dtype="bfloat16")
-    if low.info()["native_isa"] != "amx":
-        pytest.skip(f"this CPU has no AMX (the native step runs {low.info()['native_isa']})")
+    if low.info()["native_isa"] not in TILE_ISAS:
+        pytest.skip(f"this CPU has no AVX512-BF16 nor AMX (the native step runs {low.info()['native_isa']})")
     full = make_engine(_rounded(lively), max_seqs=4, native_step=False)  # torch's forward, to hook
     with _bf16_inputs(full.runner.model, True) as hooks:
         assert len(hooks) == 4 * lively.config.n_layer + 1
@@ -352,8 +354,9 @@ async def test_an_engine_on_the_native_step_holds_no_checkpoint_memory(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @torch.no_grad()
 def test_every_kernel_level_computes_the_same_logits(shape: str, dtype: torch.dtype) -> None:
-    # 40 rows: blocks of 12, 12, 12 and 4 rows for the AVX-512 kernels (6 x 6 + 4 for AVX2, 32 + 8
-    # for AMX); the ragged shape's 97 logits are 7 panels, so a panel pair and a single panel run.
+    # 40 rows: blocks of 12, 12, 12 and 4 rows for the AVX-512 and AVX512-BF16 kernels (6 x 6 + 4
+    # for AVX2, 32 + 8 for AMX); the ragged shape's 97 logits are 7 panels, so a panel pair and a
+    # single panel run.
     model = _model(SHAPES[shape]).to(dtype)
     rows = 40
     lengths = {s: 1 + (7 * s) % 40 for s in range(rows)}
@@ -367,15 +370,20 @@ def test_every_kernel_level_computes_the_same_logits(shape: str, dtype: torch.dt
         for level in ("c", "avx2", "avx512"):
             if native.use_isa(level) == level:
                 by_level[level] = native(tokens, positions, slots)
-        if native.use_isa("amx") == "amx":  # bf16 inputs: its own function, the same bits per row
-            amx = native(tokens, positions, slots)
-            for row in (0, 31, 33, 39):
-                alone = native(tokens[row : row + 1], positions[row : row + 1], slots[row : row + 1])
-                assert torch.equal(alone[0], amx[row]), f"row {row}"
+        tiles = {}
+        for level in TILE_ISAS:  # bf16 inputs: their own function, the same bits per row
+            if native.use_isa(level) == level:
+                tiles[level] = native(tokens, positions, slots)
+                for row in (0, 11, 12, 31, 33, 39):
+                    alone = native(tokens[row : row + 1], positions[row : row + 1], slots[row : row + 1])
+                    assert torch.equal(alone[0], tiles[level][row]), f"{level}, row {row}"
     finally:
         torch.set_num_threads(1)
         native.use_isa(best)
     assert "c" in by_level and len(by_level) >= 2, f"only {sorted(by_level)} run on this CPU"
+    assert not tiles or dtype == torch.bfloat16  # a float32 model never rounds its inputs
+    if len(tiles) == 2:  # the same rounded inputs and bf16 products, summed in another order
+        torch.testing.assert_close(tiles["avx512bf16"], tiles["amx"], rtol=2e-5, atol=2e-5)
     if "avx512" not in by_level:
         pytest.skip("this CPU has no AVX-512: only the C and AVX2 kernels were compared")
     # The vector levels sum every output in the same order: the same bits.
@@ -389,20 +397,22 @@ def test_every_kernel_level_computes_the_same_logits(shape: str, dtype: torch.dt
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @torch.no_grad()
-def test_on_amx_the_weights_are_held_once_with_the_same_logits(shape: str, tied: bool) -> None:
-    # hold_once drops the linear layers' panels once the AMX tiles hold them; a tied model then
-    # reads its embeddings from the output layer's tiles. Same logits, bit for bit.
+def test_on_a_tile_level_the_weights_are_held_once_with_the_same_logits(shape: str, tied: bool) -> None:
+    # hold_once drops the linear layers' panels once the tile copy holds them (AVX512-BF16 or AMX);
+    # a tied model then reads its embeddings from the output layer's tiles. Same logits, bit for bit.
     model = _model(SHAPES[shape]).to(torch.bfloat16)
     if not tied:
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 0.5)
     lengths = {0: 7, 1: 12, 2: 3}
     keep = NativeStep(model, _prefilled(model, 3, lengths, torch.bfloat16), max_threads=2)
-    if keep.isa != "amx":
-        pytest.skip(f"this CPU has no AMX (the native step runs {keep.isa}): nothing is dropped")
+    if keep.isa not in TILE_ISAS:
+        pytest.skip(f"this CPU has no AVX512-BF16 nor AMX (the native step runs {keep.isa}): nothing is dropped")
     once = NativeStep(model, _prefilled(model, 3, lengths, torch.bfloat16), max_threads=2, hold_once=True)
     dropped = sum(t is None for t in once._tensors) - sum(t is None for t in keep._tensors)
     assert dropped == 4 * model.config.n_layer + 1
-    assert once.use_isa("avx512") == "amx"  # nothing left for the other levels to read
+    assert once.isa == keep.isa
+    assert once.use_isa("avx512") == "avx512bf16"  # nothing left for the lower levels to read
+    once.use_isa(keep.isa)
     torch.set_num_threads(2)
     try:
         for tokens in ([5, 9, 2], [40, 1, 0]):
@@ -415,7 +425,7 @@ def test_on_amx_the_weights_are_held_once_with_the_same_logits(shape: str, tied:
 def test_native_isa_names_a_bad_choice_and_caps_the_kernels() -> None:
     from service.engine.config import EngineConfig
 
-    with pytest.raises(ValueError, match="native_isa must be one of auto, c, avx2, avx512, amx, got 'sse'"):
+    with pytest.raises(ValueError, match="native_isa must be one of auto, c, avx2, avx512, avx512bf16, amx, got 'sse'"):
         EngineConfig(native_isa="sse")
     model = _model(SHAPES["aligned"])
     capped = NativeStep(model, _prefilled(model, 1, {}), max_threads=1, max_isa="avx2")
