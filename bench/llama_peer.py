@@ -95,11 +95,20 @@ def _add(w: Any, name: str, t: torch.Tensor, bf16: bool) -> None:
         w.add_tensor(name, t.float().numpy())
 
 
+def _quiet_log(level: int, text: bytes, _user: Any) -> None:
+    if level == 3:  # GGML_LOG_LEVEL_ERROR
+        print(f"    llama.cpp: {text.decode(errors='replace').rstrip()}", flush=True)
+
+
 class LlamaRunner:
     def __init__(self, gguf_path: Path, n_seq: int, n_ctx_per_seq: int, threads: int) -> None:
         import llama_cpp as lc
 
         self.lc = lc
+        # llama.cpp logs every tensor and graph input at load (thousands of lines per peer): keep
+        # its errors only. The callback must outlive the context, so it stays on the instance.
+        self._log = lc.llama_log_callback(_quiet_log)
+        lc.llama_log_set(self._log, ctypes.c_void_p(0))
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
         load = getattr(lc, "llama_model_load_from_file", None) or lc.llama_load_model_from_file
