@@ -739,8 +739,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline __m256 load_kv(
     return _mm256_loadu_ps((const float *)p + i);
 }
 
-/* q . k_t for one position; attend_kv sums four positions at once (four independent chains) in
- * this same order, so grouping never changes a value. */
+/* q . k_t for one position; attend_kv sums eight or four positions at once (independent chains)
+ * in this same order, so grouping never changes a value. */
 __attribute__((target("avx2,fma"), always_inline)) static inline float score1(const float *q, const void *k,
                                                                              size_t at, int hs, int bf) {
     __m256 a = _mm256_setzero_ps();
@@ -748,59 +748,95 @@ __attribute__((target("avx2,fma"), always_inline)) static inline float score1(co
     return hsum256(a);
 }
 
+/* How far ahead (in positions) attention asks for keys and values: a block of a few KiB per query
+ * and head, read once per step, which at long contexts comes from memory (the hardware prefetcher
+ * starts on each stream only after its first misses). 124M bf16, 64 rows at position 200: the
+ * forward 1.25x faster; no change at position 40. Prefetches never pass the block's end. */
+#define QK_AHEAD 32
+#define PV_AHEAD 16
+
+#define SCORE_STEP(j) a##j = _mm256_fmadd_ps(qv, load_kv(k, (size_t)(t + (j)) * hs + i, bf), a##j);
+#define SCORE_STORE(j) scores[t + (j)] = hsum256(a##j) * scale;
+/* out[i0, i0 + 8 W) = sum_t p_t v_t[i0, ...): W eight-wide chains over t, kept in registers. Each
+ * output's chain is the same for any W (t in order, one FMA each), so W only sets how many chains
+ * run side by side: 8 of them keep both FMA units busy where 4 waited on each FMA's latency. */
+#define PV_BLOCK(W)                                                                                        \
+    for (; i + 8 * (W) <= hs; i += 8 * (W)) {                                                              \
+        __m256 o[W];                                                                                       \
+        for (int j = 0; j < (W); j++) o[j] = _mm256_setzero_ps();                                         \
+        for (t = 0; t < n; t++) {                                                                          \
+            if (i == 0 && t + PV_AHEAD < n)                                                                \
+                for (size_t b = 0; b < row_bytes; b += 64)                                                 \
+                    __builtin_prefetch((const char *)v + (size_t)(t + PV_AHEAD) * row_bytes + b, 0, 3);           \
+            const __m256 p = _mm256_set1_ps(scores[t]);                                                    \
+            const size_t vt = (size_t)t * hs + i;                                                          \
+            for (int j = 0; j < (W); j++) o[j] = _mm256_fmadd_ps(p, load_kv(v, vt + 8 * j, bf), o[j]);    \
+        }                                                                                                  \
+        for (int j = 0; j < (W); j++) _mm256_storeu_ps(out + i + 8 * j, o[j]);                            \
+    }
+
 /* Attention of one query (head_dim a multiple of 8) over n cached positions, into out; the cache
- * holds float32 or (bf) bfloat16. */
+ * holds float32 or (bf) bfloat16. Scores eight positions at a time (eight chains: four left the
+ * FMA units waiting on latency; session 12 measured attention at 13% of a 64-row 124M step). */
 __attribute__((target("avx2,fma"), always_inline)) static inline void attend_kv(
     const float *q, const void *k, const void *v, int64_t n, int hs, float *scores, float *out, int bf) {
     const float scale = 1.0f / sqrtf((float)hs);
     int64_t t = 0;
+    const size_t row_bytes = (size_t)hs * (bf ? 2 : 4);
+    for (; t + 8 <= n; t += 8) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        if (t + QK_AHEAD < n) {
+            const char *ahead = (const char *)k + (size_t)(t + QK_AHEAD) * row_bytes;
+            for (size_t b = 0; b < 8 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 3);
+        }
+        for (int i = 0; i < hs; i += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + i);
+            SCORE_STEP(0) SCORE_STEP(1) SCORE_STEP(2) SCORE_STEP(3)
+            SCORE_STEP(4) SCORE_STEP(5) SCORE_STEP(6) SCORE_STEP(7)
+        }
+        SCORE_STORE(0) SCORE_STORE(1) SCORE_STORE(2) SCORE_STORE(3)
+        SCORE_STORE(4) SCORE_STORE(5) SCORE_STORE(6) SCORE_STORE(7)
+    }
     for (; t + 4 <= n; t += 4) {
-        const size_t k0 = (size_t)t * hs, k1 = k0 + hs, k2 = k1 + hs, k3 = k2 + hs;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int i = 0; i < hs; i += 8) {
             const __m256 qv = _mm256_loadu_ps(q + i);
-            a0 = _mm256_fmadd_ps(qv, load_kv(k, k0 + i, bf), a0);
-            a1 = _mm256_fmadd_ps(qv, load_kv(k, k1 + i, bf), a1);
-            a2 = _mm256_fmadd_ps(qv, load_kv(k, k2 + i, bf), a2);
-            a3 = _mm256_fmadd_ps(qv, load_kv(k, k3 + i, bf), a3);
+            SCORE_STEP(0) SCORE_STEP(1) SCORE_STEP(2) SCORE_STEP(3)
         }
-        scores[t] = hsum256(a0) * scale, scores[t + 1] = hsum256(a1) * scale;
-        scores[t + 2] = hsum256(a2) * scale, scores[t + 3] = hsum256(a3) * scale;
+        SCORE_STORE(0) SCORE_STORE(1) SCORE_STORE(2) SCORE_STORE(3)
     }
     for (; t < n; t++) scores[t] = score1(q, k, (size_t)t * hs, hs, bf) * scale;
     float best = -INFINITY;
     for (t = 0; t < n; t++) best = scores[t] > best ? scores[t] : best;
     const __m256 vbest = _mm256_set1_ps(best);
     __m256 vtotal = _mm256_setzero_ps();
-    for (t = 0; t < n; t += 8) {
+    /* exp(score - best) eight at a time; the last group's missing lanes are zero (as masked loads
+     * would give) and are masked out of the sum. No masked loads or stores: AMD's are microcoded,
+     * and a later load of what a masked store wrote cannot be forwarded from it. */
+    for (t = 0; t + 8 <= n; t += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + t), vbest));
+        _mm256_storeu_ps(scores + t, e);
+        vtotal = _mm256_add_ps(vtotal, e);
+    }
+    if (t < n) {
+        float tail[8] = {0};
+        memcpy(tail, scores + t, (size_t)(n - t) * sizeof(float));
         const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - t)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_maskload_ps(scores + t, mask), vbest));
-        const __m256 kept = _mm256_and_ps(e, _mm256_castsi256_ps(mask));
-        _mm256_maskstore_ps(scores + t, mask, kept);
+        const __m256 kept = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(tail), vbest)), _mm256_castsi256_ps(mask));
+        _mm256_storeu_ps(tail, kept);
+        memcpy(scores + t, tail, (size_t)(n - t) * sizeof(float));
         vtotal = _mm256_add_ps(vtotal, kept);
     }
     const float inv = 1.0f / hsum256(vtotal);
-    /* out = sum_t p_t v_t, four output vectors at a time kept in registers across all positions */
+    for (t = 0; t < n; t++) scores[t] *= inv; /* the weights p_t, once (not once per block of outputs) */
     int i = 0;
-    for (; i + 32 <= hs; i += 32) {
-        __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
-        for (t = 0; t < n; t++) {
-            const __m256 p = _mm256_set1_ps(scores[t] * inv);
-            const size_t vt = (size_t)t * hs + i;
-            o0 = _mm256_fmadd_ps(p, load_kv(v, vt, bf), o0);
-            o1 = _mm256_fmadd_ps(p, load_kv(v, vt + 8, bf), o1);
-            o2 = _mm256_fmadd_ps(p, load_kv(v, vt + 16, bf), o2);
-            o3 = _mm256_fmadd_ps(p, load_kv(v, vt + 24, bf), o3);
-        }
-        _mm256_storeu_ps(out + i, o0), _mm256_storeu_ps(out + i + 8, o1);
-        _mm256_storeu_ps(out + i + 16, o2), _mm256_storeu_ps(out + i + 24, o3);
-    }
-    for (; i < hs; i += 8) {
-        __m256 o = _mm256_setzero_ps();
-        for (t = 0; t < n; t++) o = _mm256_fmadd_ps(_mm256_set1_ps(scores[t] * inv), load_kv(v, (size_t)t * hs + i, bf), o);
-        _mm256_storeu_ps(out + i, o);
-    }
+    PV_BLOCK(8)
+    PV_BLOCK(4)
+    PV_BLOCK(1)
 }
+#undef SCORE_STEP
+#undef SCORE_STORE
+#undef PV_BLOCK
 
 __attribute__((target("avx2,fma"))) static void attend_avx2(const float *q, const void *k, const void *v,
                                                             int64_t n, int hs, float *scores, float *out, int kvt) {
