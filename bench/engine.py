@@ -8,11 +8,13 @@ For each model shape (random GPT-2-architecture weights) and dtype, on the same 
   (c) Hugging Face transformers `generate()` with its KV cache on the exported GPT-2 weights,
   (d) llama.cpp through llama-cpp-python on a GGUF conversion (skipped when not installed),
 plus the machine's limits measured in the same run: memory read bandwidth (a forward reads every
-weight once) and matmul throughput (a forward costs 2 FLOPs per weight per token it feeds; for
-bfloat16 the faster of its rate and float32's). From them, the shortest time a run could take
-(`run_bound_s`): the prompts' forward, then one forward per further generated token, each taking
-the longer of reading the weights and computing its tokens. Every peer does that same work, so
-"x / limit" is the run's bound over its measured time: the share of the machine it used.
+weight once) and matmul throughput (a forward costs 2 FLOPs per weight per token it feeds): the
+fastest of torch's matmul in the dtype, in float32 (bf16 weights can be widened), and the vector
+units' measured multiply-add peak (bench/peak.py; torch's matmul can fall far short of it). From
+them, the shortest time a run could take (`run_bound_s`): the prompts' forward, then one forward
+per further generated token, each taking the longer of reading the weights and computing its
+tokens. Every peer does that same work, so "x / limit" is the run's bound over its measured time:
+the share of the machine it used.
 Prints ratios to this engine and writes bench/results/engine.json and engine.md. Not a test:
 nothing here asserts a speed.
 """
@@ -36,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.peak import vector_peaks
 from model.checkpoint import Checkpoint
 from model.config import GPTConfig
 from model.gpt import GPT
@@ -228,11 +231,16 @@ def measure_limits(dtype: torch.dtype) -> dict[str, float]:
         best_bw = max(best_bw, buf.nbytes / (time.perf_counter() - t0))
     del buf
     rates = {str(d).removeprefix("torch."): _matmul_flops(d) for d in dict.fromkeys([dtype, torch.float32])}
+    # The vector units' own peak: no matmul beats it, and torch's can fall far short of it (MKL's
+    # float32 matmul on AMD Zen 5: ~216 GFLOP/s of a measured ~2x that), which made the old limit
+    # read over 100%.
+    peaks = {name.replace(" ", "_"): r for name, r in vector_peaks(dtype, torch.get_num_threads()).items()}
     # A CPU without bf16 arithmetic (AVX2) still multiplies bf16 weights at its float32 rate by
     # widening them as they load (the native step does; torch's emulated bf16 matmul is ~100x
-    # slower), so the compute limit for a dtype is the faster of its own rate and float32's.
-    return {"bandwidth_GBps": best_bw / 1e9, "matmul_GFLOPs": max(rates.values()) / 1e9,
-            **{f"matmul_GFLOPs_{name}": r / 1e9 for name, r in rates.items()}}
+    # slower), so the compute limit for a dtype is the fastest of its own rates and float32's.
+    return {"bandwidth_GBps": best_bw / 1e9, "matmul_GFLOPs": max(*rates.values(), *peaks.values()) / 1e9,
+            **{f"matmul_GFLOPs_{name}": r / 1e9 for name, r in rates.items()},
+            **{f"matmul_GFLOPs_peak_{name}": r / 1e9 for name, r in peaks.items()}}
 
 
 def _matmul_flops(dtype: torch.dtype) -> float:
