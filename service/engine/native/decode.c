@@ -748,6 +748,17 @@ __attribute__((target("avx2,fma"), always_inline)) static inline float score1(co
     return hsum256(a);
 }
 
+/* Ask for the cache line at p. An asm statement, not __builtin_prefetch: GCC 12 at -O2 and above
+ * dropped every __builtin_prefetch of prefetch_kv once it was inlined into the step (the object
+ * code had none; found when an A/B of it showed no change at all). */
+static inline void prefetch_line(const void *p) {
+#ifdef NS_X86
+    __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)p));
+#else
+    __builtin_prefetch(p, 0, 3);
+#endif
+}
+
 /* How far ahead (in positions) attention asks for keys and values: a block of a few KiB per query
  * and head, read once per step, which at long contexts comes from memory (the hardware prefetcher
  * starts on each stream only after its first misses). 124M bf16, 64 rows at position 200: the
@@ -767,7 +778,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline float score1(co
         for (t = 0; t < n; t++) {                                                                          \
             if (i == 0 && t + PV_AHEAD < n)                                                                \
                 for (size_t b = 0; b < row_bytes; b += 64)                                                 \
-                    __builtin_prefetch((const char *)v + (size_t)(t + PV_AHEAD) * row_bytes + b, 0, 3);           \
+                    prefetch_line((const char *)v + (size_t)(t + PV_AHEAD) * row_bytes + b);                     \
             const __m256 p = _mm256_set1_ps(scores[t]);                                                    \
             const size_t vt = (size_t)t * hs + i;                                                          \
             for (int j = 0; j < (W); j++) o[j] = _mm256_fmadd_ps(p, load_kv(v, vt + 8 * j, bf), o[j]);    \
@@ -787,7 +798,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void attend_kv(
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
         if (t + QK_AHEAD < n) {
             const char *ahead = (const char *)k + (size_t)(t + QK_AHEAD) * row_bytes;
-            for (size_t b = 0; b < 8 * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 3);
+            for (size_t b = 0; b < 8 * row_bytes; b += 64) prefetch_line(ahead + b);
         }
         for (int i = 0; i < hs; i += 8) {
             const __m256 qv = _mm256_loadu_ps(q + i);
@@ -884,6 +895,18 @@ static void store_kv(const Model *m, const Layer *L, const Job *job, int r, int 
     }
 }
 
+/* Start bringing in row r's keys and values of head hd (the next item) while the current one is
+ * computed: each item's block lies alone in its window-long stretch of the cache, so the hardware
+ * prefetcher would start over at each one. attend_kv asks for the positions past QK_AHEAD itself.
+ * (124M bf16, 64 rows at position 32: attention 4.5 -> 3.3 ms of a 26 ms step.) */
+static void prefetch_kv(const Model *m, const Layer *L, const Job *job, int r, int hd) {
+    const size_t row_bytes = (size_t)m->head_dim * elem_size(m->kvt);
+    const size_t base = (((size_t)job->slot[r] * m->n_head + hd) * m->window) * row_bytes;
+    const size_t n = (size_t)job->pos[r] + 1, bytes = (n < QK_AHEAD ? n : QK_AHEAD) * row_bytes;
+    const char *k = (const char *)L->k + base, *v = (const char *)L->v + base;
+    for (size_t at = 0; at < bytes; at += 64) prefetch_line(k + at), prefetch_line(v + at);
+}
+
 /* Row r's query for head hd over its slot's positions 0..pos (softmax in float32, as torch's
  * kernels do for float32). Every row's key and value are stored before any row attends, so rows
  * of one sequence (a prompt chunk) see each other's. */
@@ -975,8 +998,10 @@ static void step_thread(void *arg) {
         for (int p = tid; p < heads; p += nt) store_kv(m, L, job, p / m->n_head, p % m->n_head);
         sync(job);
         for (int p0 = claim(job, phase, head_chunk); p0 < heads; p0 = claim(job, phase, head_chunk))
-            for (int p = p0; p < p0 + head_chunk && p < heads; p++)
+            for (int p = p0; p < p0 + head_chunk && p < heads; p++) {
+                if (p + 1 < heads) prefetch_kv(m, L, job, (p + 1) / m->n_head, (p + 1) % m->n_head);
                 attend(m, L, job, p / m->n_head, p % m->n_head, scores);
+            }
         phase++;
         sync(job);
         gemv_claimed(job, phase++, &L->proj, m->y, rows, m->x, c, 1, 0, tid, nt);
