@@ -10,6 +10,9 @@ LEVERS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("no native step (oneDNN packed linears)", {"native_step": False}, {}),
     ("no native step, no oneDNN packing", {"native_step": False, "packed_linear": False}, {}),
     ("KV cache bfloat16", {"kv_cache_dtype": "bfloat16"}, {}),
+    # bf16 models: the widening kernels (float32 inputs) instead of a tile level (AVX512-BF16 or
+    # AMX, inputs rounded to bf16); float32 models run avx512 anyway (the same as the default).
+    ("native_isa=avx512 (no bf16 dot products)", {"native_isa": "avx512"}, {}),
     ("deterministic=True", {"deterministic": True}, {}),
     ("sample top_k=40 top_p=0.95", {}, {"temperature": 1.0, "top_k": 40, "top_p": 0.95}),
     ("sample top_p=0.95, no top_k", {}, {"temperature": 1.0, "top_p": 0.95}),

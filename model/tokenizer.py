@@ -27,6 +27,9 @@ class TokenizerError(ValueError):
 
 class Tokenizer(ABC):
     kind: str
+    # Set where decode(ids) is always the concatenation of pieces[i] (a token's text never depends
+    # on its neighbours: character vocabularies), so a stream can emit each token's text as it is.
+    pieces: tuple[str, ...] | None = None
 
     @property
     @abstractmethod
@@ -64,6 +67,7 @@ class CharTokenizer(Tokenizer):
         if len(set(vocab)) != len(vocab):
             raise ValueError("character vocabulary has duplicate entries")
         self.vocab = list(vocab)
+        self.pieces = tuple(self.vocab)
         self._stoi = {ch: i for i, ch in enumerate(self.vocab)}
 
     @classmethod
@@ -91,7 +95,8 @@ class CharTokenizer(Tokenizer):
             raise
 
     def decode(self, ids: list[int]) -> str:
-        return "".join(self.vocab[i] for i in ids)
+        vocab = self.vocab
+        return "".join([vocab[i] for i in ids])
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "vocab": self.vocab}

@@ -25,6 +25,7 @@ class IncrementalDecoder:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.pieces = tokenizer.pieces
         self.ids: list[int] = []
         self.prefix = 0
         self.read = 0
@@ -32,6 +33,11 @@ class IncrementalDecoder:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
+        if self.pieces is not None:  # each token's text stands alone: no window to decode
+            delta = self.pieces[token_id]
+            self.prefix = self.read = len(self.ids)
+            self.text += delta
+            return delta
         prefix_text = self.tokenizer.decode(self.ids[self.prefix : self.read])
         new_text = self.tokenizer.decode(self.ids[self.prefix :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT):

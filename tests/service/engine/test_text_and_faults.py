@@ -12,7 +12,7 @@ from model.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.reference import reference_generate
-from model.tokenizer import BPETokenizer
+from model.tokenizer import EOT, BPETokenizer, CharTokenizer
 from service.engine.detokenizer import IncrementalDecoder, StopMatcher
 from service.engine.types import FinishReason
 from tests.service.engine.conftest import EngineFactory, collect, token_ids
@@ -34,6 +34,19 @@ def test_bpe_incremental_decode_never_emits_half_a_character(bpe: BPETokenizer) 
     deltas = [dec.add(i) for i in ids]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) + dec.flush() == MULTIBYTE
+
+
+def test_a_character_vocabulary_streams_each_token_as_its_text_without_decoding() -> None:
+    # CharTokenizer declares its pieces: every delta is the token's character, the deltas add up
+    # to decode(ids), and the decoder never calls decode (the per-token cost it saves).
+    tok = CharTokenizer.train("hello world!\n" + EOT)
+    ids = tok.encode("hello\nworld" + EOT + "!!")
+    calls = []
+    tok.decode = lambda ids: calls.append(ids) or CharTokenizer.decode(tok, ids)  # type: ignore[method-assign]
+    dec = IncrementalDecoder(tok)
+    deltas = [dec.add(i) for i in ids]
+    assert deltas == [tok.vocab[i] for i in ids] and not calls
+    assert "".join(deltas) + dec.flush() == CharTokenizer.decode(tok, ids)
 
 
 def test_stop_matcher_holds_back_prefixes() -> None:
