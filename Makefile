@@ -7,8 +7,9 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: install serve test lint typecheck bench clean
 
-# decode.c: `pip install -e .` compiles the native decode step, so a change to it reinstalls.
-$(VENV)/.installed: pyproject.toml service/engine/native/decode.c
+# decode.c and the parts it includes: `pip install -e .` compiles the native decode step, so a
+# change to them reinstalls.
+$(VENV)/.installed: pyproject.toml $(wildcard service/engine/native/*.c service/engine/native/*.h)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH_SPEC)"
