@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from functools import cache
 from pathlib import Path
 
@@ -39,12 +40,11 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _kind_flops(lib: ctypes.CDLL, kind: int, threads: int, rounds: int) -> float:
-    """Best of `rounds` runs of ~0.1-0.2 s each (the iteration count sized by a first short run)."""
-    probe = lib.peak_flops(kind, threads, 100_000)
-    if probe <= 0:
+    """Best of `rounds` runs of ~0.15 s each (the iteration count sized by a first short run)."""
+    t0 = time.perf_counter()
+    if lib.peak_flops(kind, threads, 100_000) <= 0:
         return 0.0
-    per_iter = {0: 16 * 16, 1: 16 * 32, 2: 16 * 64}[kind] * threads
-    iters = max(100_000, int(0.15 * probe / per_iter))
+    iters = max(100_000, int(100_000 * 0.15 / (time.perf_counter() - t0)))
     return max(lib.peak_flops(kind, threads, iters) for _ in range(rounds))
 
 

@@ -95,8 +95,7 @@ class CharTokenizer(Tokenizer):
             raise
 
     def decode(self, ids: list[int]) -> str:
-        vocab = self.vocab
-        return "".join([vocab[i] for i in ids])
+        return "".join(self.vocab[i] for i in ids)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "vocab": self.vocab}

@@ -33,11 +33,8 @@ class IncrementalDecoder:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        if self.pieces is not None:  # each token's text stands alone: no window to decode
-            delta = self.pieces[token_id]
-            self.prefix = self.read = len(self.ids)
-            self.text += delta
-            return delta
+        if self.pieces is not None:  # each token's text stands alone: emitted whole, nothing held
+            return self.pieces[token_id]
         prefix_text = self.tokenizer.decode(self.ids[self.prefix : self.read])
         new_text = self.tokenizer.decode(self.ids[self.prefix :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT):
@@ -60,6 +57,8 @@ class IncrementalDecoder:
     def flush(self) -> str:
         """At the end: whatever the full decode has beyond what was emitted (e.g. a final
         incomplete character, which then stays U+FFFD)."""
+        if self.pieces is not None:  # add() emitted every token's text already
+            return ""
         full = self.tokenizer.decode(self.ids)
         delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text += delta

@@ -166,14 +166,11 @@ class ModelRunner:
             self._run_isolated(items, idx[:half], out)
             self._run_isolated(items, idx[half:], out)
             return
-        if all(items[i].completes for i in idx):  # decode rows: every one samples
-            out.rows += idx
-            out.pieces.append(rows)
-            return
         keep = [j for j, i in enumerate(idx) if items[i].completes]
         if not keep:
             return
-        rows = rows[keep]  # prompt chunks that do not end their prompt sample nothing
+        if len(keep) < len(idx):  # prompt chunks that do not end their prompt sample nothing
+            rows = rows[keep]
         out.rows += [idx[j] for j in keep]
         out.pieces.append(rows)
 
@@ -190,14 +187,10 @@ class ModelRunner:
         self.threads.begin(len(items) * t)
         if self.native_step is not None:
             # Every token is a row; a prompt chunk's rows see each other's keys (native_step.py).
-            if t == 1:  # decode rows, the common step: each row's logits are wanted
-                tokens = [it.tokens[0] for it in items]
-                logits = self.native_step(tokens, [it.start for it in items], slot_list)
-            else:
-                tokens = [tok for it in items for tok in it.tokens]
-                positions = [p for it in items for p in range(it.start, it.start + t)]
-                rows = [it.req.slot for it in items for _ in range(t)]
-                logits = self.native_step(tokens, positions, rows, [j * t + t - 1 for j in range(len(items))])
+            tokens = [tok for it in items for tok in it.tokens]
+            positions = [p for it in items for p in range(it.start, it.start + t)]
+            rows = [it.req.slot for it in items for _ in range(t)]
+            logits = self.native_step(tokens, positions, rows, [j * t + t - 1 for j in range(len(items))])
         else:
             idx = torch.tensor([item.tokens for item in items], dtype=torch.long, device=self.device)
             start = torch.tensor([item.start for item in items], dtype=torch.long, device=self.device)

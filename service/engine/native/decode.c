@@ -39,6 +39,9 @@ typedef int (*int_fn)(void);
  * computed in float32 all the same, see to_float). */
 enum { F32 = 0, BF16 = 1 };
 
+/* Kernel levels (ns_set_isa). The two tile levels read the bf16 tile copy and round inputs. */
+enum { ISA_C, ISA_AVX2, ISA_AVX512, ISA_AVX512BF16, ISA_AMX };
+
 typedef struct {
     const void *w; /* (out, in) packed in panels of the model's weight type, see gemv */
     const float *b; /* (out,) or NULL */
@@ -66,8 +69,8 @@ typedef struct {
     Linear head;
     int avx2;   /* AVX2 + FMA kernels (every x86-64 CPU of the last decade) */
     int avx512; /* AVX-512 matrix kernels (where the CPU has AVX-512F); see gemv512 */
-    int dpbf16; /* bfloat16 weights: AVX512-BF16 dot products on bf16-rounded inputs; see gemv_dp */
-    int amx;    /* bfloat16 weights: AMX tile kernels on bf16-rounded inputs; see gemv_amx */
+    int tiles;  /* bfloat16 weights: the tile level in use (ISA_AVX512BF16, see gemv_dp, or ISA_AMX, see
+                 * gemv_amx; bf16-rounded inputs), or 0: the widening kernels */
     int tiles_only; /* the panels are gone (ns_tiles_only): only the levels that read tiles run */
     uint16_t *xb; /* per thread, (round32(max_rows), round32(4 C)): a phase's inputs in bf16 */
     /* Shared activations, (max_rows, width) each; h is per thread (max_threads, 2 max_threads, C),
@@ -168,7 +171,7 @@ static void gemv_claimed(const Job *job, int phase, const Linear *l, const float
     if (m->avx512 && chunk % 2) chunk++; /* its kernels (and the tile levels') take panels in pairs */
 #ifdef NS_X86
     uint16_t *xb = NULL;
-    if (m->amx || m->dpbf16) { /* every thread rounds the inputs into its own buffer: no barrier for it */
+    if (m->tiles) { /* every thread rounds the inputs into its own buffer: no barrier for it */
         xb = m->xb + (size_t)tid * xb_each(m);
         to_bf16_rows(x, rows, l->in, xb);
     }
@@ -178,7 +181,7 @@ static void gemv_claimed(const Job *job, int phase, const Linear *l, const float
     for (int p = claim(job, phase, chunk); p < panels; p = claim(job, phase, chunk)) {
         const int o0 = p * PANEL, o1 = (p + chunk) * PANEL < l->out ? (p + chunk) * PANEL : l->out;
 #ifdef NS_X86
-        if (xb && m->amx)
+        if (xb && m->tiles == ISA_AMX)
             gemv_amx(l, xb, rows, y, ystride, o0, o1, accumulate);
         else if (xb)
             gemv_dp(l, xb, rows, y, ystride, o0, o1, accumulate);
@@ -280,7 +283,7 @@ static void step_thread(void *arg) {
     const float *h = normalise(job, m->lnf, job->out, job->n_out, tid, nt, own);
     gemv_claimed(job, phase, &m->head, h, job->n_out, job->logits, m->vocab, 0, 0, tid, nt);
 #ifdef NS_X86
-    if (m->amx) amx_release(); /* the thread's tile state is not kept between steps */
+    if (m->tiles == ISA_AMX) amx_release(); /* the thread's tile state is not kept between steps */
 #endif
 }
 
@@ -298,9 +301,6 @@ static Linear *linear_at(Model *m, int i) {
     Linear *const four[4] = {&L->attn, &L->proj, &L->fc, &L->mproj};
     return four[i % 4];
 }
-
-/* Kernel levels (ns_set_isa). The two tile levels read the bf16 tile copy and round inputs. */
-enum { ISA_C, ISA_AVX2, ISA_AVX512, ISA_AVX512BF16, ISA_AMX };
 
 #ifdef NS_X86
 /* The best tile level this bfloat16 model can run here: AVX512-BF16 where the CPU has it, AMX where
@@ -362,7 +362,7 @@ int ns_tile_linear(void *model, int i) {
  * weights are then held once, in tile order). Only the tile levels run afterwards. Returns 1 if done. */
 int ns_tiles_only(void *model) {
     Model *m = model;
-    if (!m->amx && !m->dpbf16) return 0;
+    if (!m->tiles) return 0;
     for (int i = 0; i < n_linears(m); i++) linear_at(m, i)->w = NULL;
     m->tiles_only = 1;
     return 1;
@@ -377,14 +377,16 @@ int ns_tiles_only(void *model) {
 int ns_set_isa(void *model, int level) {
     Model *m = model;
     if (m->tiles_only && level < ISA_AVX512BF16) level = ISA_AVX512BF16;
-    m->avx2 = m->avx512 = m->dpbf16 = m->amx = 0;
+    m->avx2 = m->avx512 = m->tiles = 0;
 #ifdef NS_X86
     m->avx2 = level >= ISA_AVX2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     m->avx512 = m->avx2 && level >= ISA_AVX512 && __builtin_cpu_supports("avx512f");
-    m->amx = m->avx512 && level >= ISA_AMX && tiles_ready(m, ISA_AMX);
-    m->dpbf16 = !m->amx && m->avx512 && level >= ISA_AVX512BF16 && tiles_ready(m, ISA_AVX512BF16);
+    if (m->avx512 && level >= ISA_AVX512BF16)
+        m->tiles = level >= ISA_AMX && tiles_ready(m, ISA_AMX) ? ISA_AMX
+                   : tiles_ready(m, ISA_AVX512BF16)           ? ISA_AVX512BF16
+                                                              : 0;
 #endif
-    return m->amx ? ISA_AMX : m->dpbf16 ? ISA_AVX512BF16 : m->avx512 ? ISA_AVX512 : m->avx2 ? ISA_AVX2 : ISA_C;
+    return m->tiles ? m->tiles : m->avx512 ? ISA_AVX512 : m->avx2 ? ISA_AVX2 : ISA_C;
 }
 
 static Linear linear(const void *const **p, int out, int in) {

@@ -143,9 +143,10 @@ static uint16_t *amx_tiles(const Linear *l) {
     }
 /* Rows N (x: bf16, rows inp apart) against P tile panels (wp, and wp2 for the second). */
 #define PANELDP(NAME, N, NP)                                                                               \
-    __attribute__((target("avx512f,avx512bf16"))) static void NAME(const uint16_t *wp, const uint16_t *wp2, \
-                                                                   int inp, const uint16_t *x, float *sums) { \
+    __attribute__((target("avx512f,avx512bf16"))) static void NAME(const void *wpv, const void *wp2v,      \
+                                                                   int inp, const void *xv, float *sums) { \
         enum { R = N, P = NP };                                                                            \
+        const uint16_t *wp = wpv, *wp2 = wp2v, *x = xv;                                                    \
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0,   \
                a8 = a0, a9 = a0, a10 = a0, a11 = a0;                                                       \
         __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0, b8 = a0, b9 = a0,  \
@@ -169,37 +170,17 @@ static uint16_t *amx_tiles(const Linear *l) {
 PANELDP_KERNELS(1)
 PANELDP_KERNELS(2)
 
-typedef void (*paneldp_fn)(const uint16_t *wp, const uint16_t *wp2, int inp, const uint16_t *x, float *sums);
 #define PANELDP_TABLE(NP)                                                                                  \
     {pdp_##NP##_1, pdp_##NP##_2, pdp_##NP##_3, pdp_##NP##_4, pdp_##NP##_5, pdp_##NP##_6,                  \
      pdp_##NP##_7, pdp_##NP##_8, pdp_##NP##_9, pdp_##NP##_10, pdp_##NP##_11, pdp_##NP##_12}
-static const paneldp_fn PANELSDP[2][MAX_R512] = {PANELDP_TABLE(1), PANELDP_TABLE(2)}; /* [panels - 1][rows - 1] */
+static const pair_fn PANELSDP[2][MAX_R512] = {PANELDP_TABLE(1), PANELDP_TABLE(2)}; /* [panels - 1][rows - 1] */
 
-/* gemv_amx's product with VDPBF16PS: panels two at a time (one when a single panel is left), rows
- * in blocks of MAX_R512, each block's sums stored as the AVX-512 kernels store theirs. */
+/* gemv_amx's product with VDPBF16PS, on the 512-bit families' loop (gemv_pairs; tile rows of
+ * inputs, the next panel pair prefetched). */
 static void gemv_dp(const Linear *l, const uint16_t *xb, int rows, float *y, int ystride, int o0, int o1,
                     int accumulate) {
     const int inp = ROUND32(l->in);
-    const size_t panel_elems = (size_t)inp * PANEL;
-    float sums[2 * MAX_R512 * PANEL];
-    const int blocks = (rows + MAX_R512 - 1) / MAX_R512;
-    const size_t pair_bytes = 2 * panel_elems * sizeof(uint16_t), share = (pair_bytes / blocks + 63) / 64 * 64;
-    for (int o = o0; o < o1; o += 2 * PANEL) {
-        const uint16_t *wp = l->tiles + (size_t)(o / PANEL) * panel_elems;
-        const int two = o + PANEL < o1;
-        const char *next = blocks > 1 && o + 2 * PANEL < o1 ? (const char *)(wp + 2 * panel_elems) : NULL;
-        for (int r = 0, b = 0; r < rows; r += MAX_R512, b++) {
-            const int n = rows - r < MAX_R512 ? rows - r : MAX_R512;
-            float *yr = y + (size_t)r * ystride;
-            /* The next panel pair, a share before each row block: at 2x the float32 FMA rate the
-             * hardware prefetcher no longer hides the stream (124M bf16 16 rows 1.13x, 10.7M 64
-             * rows 1.06x; batch 1 unchanged, one block). The float32 kernels lost 5-15% with it. */
-            if (next)
-                for (size_t at = b * share; at < (b + 1) * share && at < pair_bytes; at += 64) prefetch_line(next + at);
-            PANELSDP[two][n - 1](wp, wp + panel_elems, inp, xb + (size_t)r * inp, sums);
-            store512(l, yr, ystride, n, o, sums, accumulate);
-            if (two) store512(l, yr, ystride, n, o + PANEL, sums + MAX_R512 * PANEL, accumulate);
-        }
-    }
+    gemv_pairs(l, PANELSDP, (const char *)l->tiles, (size_t)inp * PANEL * sizeof(uint16_t), inp, (const char *)xb,
+               (size_t)inp * sizeof(uint16_t), rows, y, ystride, o0, o1, accumulate, 1);
 }
 #endif
