@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -65,6 +66,17 @@ def top_k_mask(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tenso
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
+def sorted_descending(values: torch.Tensor) -> torch.Tensor:
+    """Each row's values, largest first (values only: a sort's output does not depend on how it
+    sorts). On the CPU numpy sorts: torch's CPU sort took 50 ms for 32 rows of GPT-2's 50k logits
+    (1.6 ms a row, 2 threads), numpy's (x86-simd-sort's vectorised quicksort where the CPU has
+    AVX-512 or AVX2) 3.4 ms on one; top_p without top_k sorts every row of a flat distribution."""
+    if values.device.type != "cpu" or values.dtype not in (torch.float32, torch.float64):
+        return torch.sort(values, dim=-1, descending=True).values
+    ascending = np.sort(values.detach().numpy(), axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(ascending[..., ::-1]))
+
+
 def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor, tail: torch.Tensor | None = None) -> torch.Tensor:
     """Nucleus filtering, HF TopPLogitsWarper's rule: a token stays while the probability of the
     tokens more likely than it is below top_p (the most likely token always stays, and the one
@@ -78,16 +90,19 @@ def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor, tail: torch.Tensor | N
     mass above a tie is the mass above the first of them, however a sort orders them), so what
     stays is every token at least as likely as the last one the rule keeps. (HF sums in float32
     from the least likely token up: the same rule, with up to ~1e-6 of rounding at 50k tokens.)"""
-    sorted_logits = torch.sort(logits, dim=-1, descending=True).values
+    sorted_logits = sorted_descending(logits)
     lse = logits.logsumexp(dim=-1, keepdim=True)
     if tail is not None:
         lse = torch.logaddexp(lse, tail)
-    mass = (sorted_logits.double() - lse.double()).exp().cumsum(dim=-1)
-    # The first token always stays; token i + 1 stays while the mass of tokens 0..i is below top_p.
-    kept = 1 + (mass[:, :-1] < top_p).sum(dim=-1, keepdim=True)
+    mass = sorted_logits.to(torch.float64, copy=True)
+    mass.sub_(lse.double()).exp_().cumsum_(dim=-1)  # in place: no further (N, V) float64 buffers
+    # The first token always stays; token i + 1 stays while the mass of tokens 0..i is below
+    # top_p. The mass never decreases, so a binary search counts those tokens.
+    kept = 1 + torch.searchsorted(mass, top_p.to(mass)).clamp(max=logits.shape[-1] - 1)
     last = sorted_logits.gather(-1, kept - 1)
     # Rows with top_p == 1 stay untouched (rounding could otherwise drop ~0-probability tokens).
-    return torch.where((logits < last) & (top_p < 1), float("-inf"), logits)
+    last = torch.where(top_p < 1, last, float("-inf"))
+    return logits.masked_fill(logits < last, float("-inf"))
 
 
 def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
