@@ -23,6 +23,7 @@ from model.sampling import (
     sample_from_logits,
     sample_tokens,
     seeded_uniform,
+    sorted_ascending,
     sorted_descending,
     top_k_mask,
     top_p_mask,
@@ -155,6 +156,28 @@ def test_top_p_at_gpt2_width_is_what_a_torch_sort_gives(monkeypatch: pytest.Monk
     assert torch.equal(fast, top_p_mask(x, top_p))
     kept = torch.isfinite(fast).sum(dim=-1).tolist()
     assert 40000 < kept[0] < 50304 and kept[3] == 50304  # flat rows keep most, top_p 1 keeps all
+
+
+def test_typical_at_gpt2_width_is_what_a_torch_sort_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+    # typical_p sorts every row by its distance from the entropy; numpy's argsort may order tied
+    # scores differently from torch's sort, and tied scores are kept or dropped together.
+    import model.sampling as sampling
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 50304, generator=g) * torch.tensor([[0.5], [2.0], [6.0]])
+    x[1] = x[1].round()  # thousands of tied scores
+    mass = torch.tensor([[0.9], [0.5], [0.95]])
+    fast = typical_mask(x, mass)
+    values, order = sorted_ascending(x)
+    assert torch.equal(values, torch.sort(x, dim=-1).values)
+    assert torch.equal(x.gather(-1, order), values)
+
+    def torch_sort(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.sort(v, dim=-1)
+        return out.values, out.indices
+
+    monkeypatch.setattr(sampling, "sorted_ascending", torch_sort)
+    assert torch.equal(fast, typical_mask(x, mass))
 
 
 def test_penalties_match_per_row() -> None:
