@@ -11,8 +11,11 @@ entropy and how much of its mass its 64 likeliest tokens hold, because the candi
 Variants, alternating, median of `--steps` calls per round, best round kept:
   - candidates: `sample_tokens` as the engine runs it (`candidate_width` from the parameters);
   - whole vocabulary: `sample_tokens` with candidates off (every filter over all tokens);
-  - HF: `transformers` warpers (TemperatureLogitsWarper, TopK/TopP/MinPLogitsWarper), softmax
-    and `torch.multinomial`, as `generate(do_sample=True)` samples.
+  - HF: `transformers` processors and warpers (RepetitionPenaltyLogitsProcessor, then
+    TemperatureLogitsWarper, TopK/TopP/MinP/TypicalLogitsWarper), softmax and
+    `torch.multinomial`, as `generate(do_sample=True)` samples.
+Settings include typical_p (every token, always) and a repetition penalty over 256 random tokens
+of context per row.
 With --engine instead: the engine itself at GPT-2's shape (124M random weights, the tied embedding
 scaled x`--scale` so the next-token distributions are peaked: ~1.7 nats and 0.87 of the mass in
 the top 64 at the first step at x4; x1 is nearly uniform), 32 sequences of 16 + 16 tokens, greedy
@@ -44,8 +47,11 @@ SETTINGS: dict[str, dict[str, float]] = {
     "top_p 0.95": {"top_p": 0.95},
     "min_p 0.05": {"min_p": 0.05},
     "top_k 40, top_p 0.95": {"top_k": 40, "top_p": 0.95},
+    "typical_p 0.9": {"typical_p": 0.9},
+    "top_k 40, repetition 1.1": {"top_k": 40, "repetition_penalty": 1.1},
     "temperature only": {},
 }
+CONTEXT = 256  # tokens each row has seen, for the repetition penalty
 
 
 def batch_for(rows: int, vocab: int, params: dict[str, float], candidates: bool) -> SamplingBatch:
@@ -64,31 +70,43 @@ def batch_for(rows: int, vocab: int, params: dict[str, float], candidates: bool)
         batch.top_p = col(p)
     if m > 0:
         batch.min_p = col(m)
+    if "typical_p" in params:
+        batch.typical_p = col(params["typical_p"])
+    if "repetition_penalty" in params:
+        batch.repetition_penalty = col(params["repetition_penalty"])
     if candidates:
-        batch.candidates = candidate_width(vocab, [k] * rows, [p] * rows, [m] * rows, typical=False)
+        batch.candidates = candidate_width(vocab, [k] * rows, [p] * rows, [m] * rows,
+                                           typical=batch.typical_p is not None)
     return batch
 
 
-def hf_sampler(params: dict[str, float]) -> Callable[[torch.Tensor], torch.Tensor]:
+def hf_sampler(params: dict[str, float], context: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     from transformers import (
         LogitsProcessorList,
         MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
         TemperatureLogitsWarper,
         TopKLogitsWarper,
         TopPLogitsWarper,
+        TypicalLogitsWarper,
     )
 
-    warpers: list[Any] = [TemperatureLogitsWarper(1.0)]
+    warpers: list[Any] = []  # generate()'s order: processors (the penalty), then warpers
+    if "repetition_penalty" in params:
+        warpers.append(RepetitionPenaltyLogitsProcessor(params["repetition_penalty"]))
+    warpers.append(TemperatureLogitsWarper(1.0))
     if "top_k" in params:
         warpers.append(TopKLogitsWarper(int(params["top_k"])))
     if "top_p" in params:
         warpers.append(TopPLogitsWarper(params["top_p"]))
     if "min_p" in params:
         warpers.append(MinPLogitsWarper(params["min_p"]))
+    if "typical_p" in params:
+        warpers.append(TypicalLogitsWarper(params["typical_p"]))
     chain = LogitsProcessorList(warpers)
 
     def sample(logits: torch.Tensor) -> torch.Tensor:
-        scores = chain(torch.empty(0, dtype=torch.long), logits)
+        scores = chain(context, logits)
         return torch.multinomial(scores.softmax(dim=-1), 1).view(-1)
 
     return sample
@@ -110,13 +128,15 @@ def run(rows_list: list[int], vocab: int, steps: int, rounds: int) -> list[dict[
         for dist, scale in SCALES.items():
             logits = torch.randn(rows, vocab, generator=g) * scale
             entropy, head = describe(logits)
+            context = torch.randint(0, vocab, (rows, CONTEXT), generator=g)
+            seen = torch.zeros(rows, vocab, dtype=torch.bool).scatter_(1, context, True)
             for setting, params in SETTINGS.items():
                 fast, full = batch_for(rows, vocab, params, True), batch_for(rows, vocab, params, False)
-                assert torch.equal(sample_tokens(logits, fast), sample_tokens(logits, full))
-                hf = hf_sampler(params)
+                assert torch.equal(sample_tokens(logits, fast, seen), sample_tokens(logits, full, seen))
+                hf = hf_sampler(params, context)
                 seconds = best_median_s({
-                    "candidates": lambda: sample_tokens(logits, fast),  # noqa: B023
-                    "whole vocabulary": lambda: sample_tokens(logits, full),  # noqa: B023
+                    "candidates": lambda: sample_tokens(logits, fast, seen),  # noqa: B023
+                    "whole vocabulary": lambda: sample_tokens(logits, full, seen),  # noqa: B023
                     "HF": lambda: hf(logits),  # noqa: B023
                 }, steps, rounds)
                 ms = {name: 1e3 * s for name, s in seconds.items()}
