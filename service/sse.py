@@ -45,6 +45,25 @@ def sse_event(data: str | Mapping[str, Any] | BaseModel, event: str | None = Non
     return head + b"data: " + payload + b"\n\n"
 
 
+class EventTemplate:
+    """An event rendered once with one string field left open, then filled per call: a streamed
+    chunk whose envelope (id, model, created, ...) is the same all stream long costs a JSON
+    encoding of its text instead of building and dumping the models (OpenAI chat chunks: 5.4 ->
+    ~0.6 us a token). `render(text)` gives the full event; the result is its very bytes for any
+    text (the field is encoded by the same serializer; tests compare them)."""
+
+    _SLOT = "\x00nanoserve-slot\x00"  # a string no caller renders: its JSON is found exactly once
+
+    def __init__(self, render: Callable[[str], bytes]) -> None:
+        full, slot = render(self._SLOT), to_json(self._SLOT)
+        self.head, found, self.tail = full.partition(slot)
+        if not found or slot in self.tail:
+            raise ValueError("the template's string field must appear exactly once")
+
+    def __call__(self, text: str) -> bytes:
+        return self.head + to_json(text) + self.tail
+
+
 def sse_error(message: str, code: str, status: int = 500) -> bytes:
     """The `event: error` that ends a stream which already answered 200."""
     return sse_event(error_body(status, message, code), event="error")

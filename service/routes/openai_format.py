@@ -32,7 +32,7 @@ from service.schemas.openai import (
     TopLogprob,
     Usage,
 )
-from service.sse import sse_event
+from service.sse import EventTemplate, sse_event
 
 DONE = b"data: [DONE]\n\n"
 
@@ -162,6 +162,7 @@ class CompletionChunks(_Chunks):
     def __init__(self, reply: Reply, top_n: int | None, include_usage: bool) -> None:
         super().__init__(reply, include_usage)
         self.logprobs = CompletionLogprobsBuilder(reply, top_n) if top_n is not None else None
+        self.text_chunk = EventTemplate(lambda text: self._envelope([CompletionChoice(text=text)]))
 
     def _envelope(self, choices: list[Any], usage: Usage | None = None) -> bytes:
         r = self.reply
@@ -176,8 +177,10 @@ class CompletionChunks(_Chunks):
         if self.logprobs is not None and event.token_id is not None:
             self.logprobs.add(event)
             logprobs = self.logprobs.take()
-        if event.text or logprobs is not None:
+        if logprobs is not None:
             yield self._envelope([CompletionChoice(text=event.text, logprobs=logprobs)])
+        elif event.text:
+            yield self.text_chunk(event.text)
 
 
 class ChatChunks(_Chunks):
@@ -187,6 +190,8 @@ class ChatChunks(_Chunks):
         super().__init__(reply, include_usage)
         self.logprobs = logprobs
         self.started = False
+        self.content_chunk = EventTemplate(
+            lambda text: self._envelope([ChatChunkChoice(delta=ChatDelta(content=text))]))
 
     def _envelope(self, choices: list[Any], usage: Usage | None = None) -> bytes:
         r = self.reply
@@ -201,6 +206,8 @@ class ChatChunks(_Chunks):
             self.started = True
             yield self._envelope([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
         entry = chat_logprob(self.reply, event) if self.logprobs else None
-        if event.text or entry is not None:
-            logprobs = ChatLogprobs(content=[entry]) if entry is not None else None
-            yield self._envelope([ChatChunkChoice(delta=ChatDelta(content=event.text), logprobs=logprobs)])
+        if entry is not None:
+            yield self._envelope([ChatChunkChoice(delta=ChatDelta(content=event.text),
+                                                  logprobs=ChatLogprobs(content=[entry]))])
+        elif event.text:
+            yield self.content_chunk(event.text)

@@ -81,3 +81,47 @@ def test_chat_message_text_parts_and_developer_role() -> None:
         {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
     )
     assert msg.for_template() == {"role": "system", "content": "ab", "name": None}
+
+
+STREAMED_TEXTS = ["a", " the", "é\n\"x\" \\ 🎉", "\u2028</script>", "\x00", "\x00nanoserve-slot\x00",
+                  "'{}[]:,"]
+
+
+@pytest.mark.parametrize("text", STREAMED_TEXTS)
+def test_streamed_content_chunks_are_the_models_bytes(text: str) -> None:
+    """Chat and completion content chunks are rendered from a per-stream template (the hot path:
+    one JSON string encoding per token); they must be the very bytes the schemas produce."""
+    from model.tokenizer import CharTokenizer
+    from service.engine.types import TokenEvent
+    from service.routes.openai_format import ChatChunks, CompletionChunks, Reply
+    from service.schemas.openai import (
+        ChatChunkChoice,
+        ChatCompletionChunk,
+        ChatDelta,
+        CompletionChoice,
+        CompletionResponse,
+    )
+    from service.sse import sse_event
+
+    reply = Reply.new("x", "tiny", CharTokenizer(["a", "b"]))
+    event = TokenEvent(index=4, token_id=1, text=text, logprob=-0.5)
+    chat = list(ChatChunks(reply, logprobs=False, include_usage=True)(event))
+    assert chat[-1] == sse_event(ChatCompletionChunk(
+        id=reply.id, created=reply.created, model=reply.model,
+        choices=[ChatChunkChoice(delta=ChatDelta(content=text))]))
+    completion = list(CompletionChunks(reply, None, include_usage=False)(event))
+    assert completion == [sse_event(CompletionResponse(
+        id=reply.id, created=reply.created, model=reply.model, choices=[CompletionChoice(text=text)]))]
+
+
+def test_an_event_template_needs_its_slot_exactly_once() -> None:
+    from pydantic_core import to_json
+
+    from service.sse import EventTemplate
+
+    with pytest.raises(ValueError, match="exactly once"):
+        EventTemplate(lambda text: b"data: {}\n\n")  # the text never appears
+    with pytest.raises(ValueError, match="exactly once"):
+        EventTemplate(lambda text: b"data: [" + to_json(text) + b"," + to_json(text) + b"]\n\n")
+    template = EventTemplate(lambda text: b"data: {\"t\":" + to_json(text) + b"}\n\n")
+    assert template("q\"") == b'data: {"t":"q\\""}\n\n'
