@@ -1,8 +1,14 @@
 /* Part of decode.c, which includes it once: one translation unit, so the library stays one file to
  * build and these parts share its types and helpers. Attention of one query row and head over its
- * slot's cached keys and values, and the stores of each step's new keys and values. */
+ * slot's cached keys and values (and of a prompt chunk's rows a few at a time, attend_rows), and
+ * the stores of each step's new keys and values. */
 
 /* ---------------------------------------------------------------- attention */
+
+/* A prompt chunk's rows attend in blocks of up to ATT_ROWS (attend_rows): one slot, consecutive
+ * positions. Head sizes up to ATT_MAX_HEAD, a multiple of 16, on the AVX-512 level. */
+#define ATT_ROWS 4
+#define ATT_MAX_HEAD 256
 
 #ifdef NS_X86
 /* Eight cached elements from element i on, as float32. Inlined into the two attention variants
@@ -13,6 +19,15 @@ __attribute__((target("avx2,fma"), always_inline)) static inline __m256 load_kv(
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
     return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* Sixteen cached elements from element i on, as float32 (attend_rows_kv512's value sums). */
+__attribute__((target("avx512f,avx2,fma"), always_inline)) static inline __m512 load_kv16(const void *p, size_t i,
+                                                                                         int bf) {
+    if (bf)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
+    return _mm512_loadu_ps((const float *)p + i);
 }
 
 /* q . k_t for one position; attend_kv sums eight or four positions at once (independent chains)
@@ -51,6 +66,52 @@ __attribute__((target("avx2,fma"), always_inline)) static inline float score1(co
         for (int j = 0; j < (W); j++) _mm256_storeu_ps(out + i + 8 * j, o[j]);                            \
     }
 
+/* scores[0, n) -> the softmax weights p_t, in place. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void softmax_scores(float *scores, int64_t n) {
+    int64_t t;
+    float best = -INFINITY;
+    for (t = 0; t < n; t++) best = scores[t] > best ? scores[t] : best;
+    const __m256 vbest = _mm256_set1_ps(best);
+    __m256 vtotal = _mm256_setzero_ps();
+    /* exp(score - best) eight at a time; the last group's missing lanes are zero (as masked loads
+     * would give) and are masked out of the sum. No masked loads or stores: AMD's are microcoded,
+     * and a later load of what a masked store wrote cannot be forwarded from it. */
+    for (t = 0; t + 8 <= n; t += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + t), vbest));
+        _mm256_storeu_ps(scores + t, e);
+        vtotal = _mm256_add_ps(vtotal, e);
+    }
+    if (t < n) {
+        float tail[8] = {0};
+        memcpy(tail, scores + t, (size_t)(n - t) * sizeof(float));
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - t)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 kept = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(tail), vbest)), _mm256_castsi256_ps(mask));
+        _mm256_storeu_ps(tail, kept);
+        memcpy(scores + t, tail, (size_t)(n - t) * sizeof(float));
+        vtotal = _mm256_add_ps(vtotal, kept);
+    }
+    const float inv = 1.0f / hsum256(vtotal);
+    for (t = 0; t < n; t++) scores[t] *= inv; /* the weights p_t, once (not once per block of outputs) */
+}
+
+/* hsum256 of eight vectors at once, into out[0..8) times scale: each sum is added in hsum256's
+ * order ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)), so the same bits, in a third of the
+ * instructions (transposed: halves, then pairs, then the last add, eight sums to a register). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void hsum256x8(const __m256 v[8], float scale,
+                                                                               float *out) {
+    __m256 p[4];
+    for (int j = 0; j < 4; j++) /* [v_2j[i] + v_2j[i + 4] | v_2j+1[i] + v_2j+1[i + 4]], i < 4 */
+        p[j] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x31));
+    /* s0 + s2 and s1 + s3 of each: [v0's, v0's, v2's, v2's | v1's, v1's, v3's, v3's] and v4-v7's */
+    const __m256 q0 = _mm256_add_ps(_mm256_shuffle_ps(p[0], p[1], 0x44), _mm256_shuffle_ps(p[0], p[1], 0xEE));
+    const __m256 q1 = _mm256_add_ps(_mm256_shuffle_ps(p[2], p[3], 0x44), _mm256_shuffle_ps(p[2], p[3], 0xEE));
+    /* [h0, h2, h4, h6 | h1, h3, h5, h7] */
+    const __m256 h = _mm256_add_ps(_mm256_shuffle_ps(q0, q1, 0x88), _mm256_shuffle_ps(q0, q1, 0xDD));
+    const __m256 scaled = _mm256_mul_ps(h, _mm256_set1_ps(scale));
+    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(scaled, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
 /* Attention of one query (head_dim a multiple of 8) over n cached positions, into out; the cache
  * holds float32 or (bf) bfloat16. Scores eight positions at a time (eight chains: four left the
  * FMA units waiting on latency; session 12 measured attention at 13% of a 64-row 124M step). */
@@ -82,29 +143,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void attend_kv(
         SCORE_STORE(0) SCORE_STORE(1) SCORE_STORE(2) SCORE_STORE(3)
     }
     for (; t < n; t++) scores[t] = score1(q, k, (size_t)t * hs, hs, bf) * scale;
-    float best = -INFINITY;
-    for (t = 0; t < n; t++) best = scores[t] > best ? scores[t] : best;
-    const __m256 vbest = _mm256_set1_ps(best);
-    __m256 vtotal = _mm256_setzero_ps();
-    /* exp(score - best) eight at a time; the last group's missing lanes are zero (as masked loads
-     * would give) and are masked out of the sum. No masked loads or stores: AMD's are microcoded,
-     * and a later load of what a masked store wrote cannot be forwarded from it. */
-    for (t = 0; t + 8 <= n; t += 8) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + t), vbest));
-        _mm256_storeu_ps(scores + t, e);
-        vtotal = _mm256_add_ps(vtotal, e);
-    }
-    if (t < n) {
-        float tail[8] = {0};
-        memcpy(tail, scores + t, (size_t)(n - t) * sizeof(float));
-        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - t)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        const __m256 kept = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(tail), vbest)), _mm256_castsi256_ps(mask));
-        _mm256_storeu_ps(tail, kept);
-        memcpy(scores + t, tail, (size_t)(n - t) * sizeof(float));
-        vtotal = _mm256_add_ps(vtotal, kept);
-    }
-    const float inv = 1.0f / hsum256(vtotal);
-    for (t = 0; t < n; t++) scores[t] *= inv; /* the weights p_t, once (not once per block of outputs) */
+    softmax_scores(scores, n);
     int i = 0;
     PV_BLOCK(8)
     PV_BLOCK(4)
@@ -120,6 +159,113 @@ __attribute__((target("avx2,fma"))) static void attend_avx2(const float *q, cons
         attend_kv(q, k, v, n, hs, scores, out, 1);
     else
         attend_kv(q, k, v, n, hs, scores, out, 0);
+}
+
+/* Up to ATT_ROWS query rows of one sequence at consecutive positions p0.. (a prompt chunk's), over
+ * the same cached keys and values: each key and value is loaded and widened once for all of them.
+ * Row j's scores are summed exactly as attend_kv sums one query's (eight lanes wide over the dims in
+ * order, then hsum256), two rows to a 512-bit register; its softmax is softmax_scores; each of its
+ * outputs is the same chain over t = 0..p0 + j. So every row gets attend_kv's bits. Scores of rows
+ * past n and of positions past a row's own are computed and never read. stride: floats between
+ * rows' scores. */
+__attribute__((target("avx512f,avx2,fma"), always_inline)) static inline void attend_rows_kv512(
+    const float *const q[ATT_ROWS], const void *k, const void *v, int64_t p0, int n, int hs, float *scores,
+    size_t stride, float *const out[ATT_ROWS], int bf) {
+    const float scale = 1.0f / sqrtf((float)hs);
+    const int64_t len = p0 + n; /* positions 0..p0 + n - 1: the last row's */
+    const int chunks = hs / 8;
+    const size_t row_bytes = (size_t)hs * (bf ? 2 : 4);
+    float qp[2 * (ATT_MAX_HEAD / 8) * 16]; /* per pair of rows and 8 dims: lanes 0-7 one row's q, 8-15 the next's */
+    for (int pr = 0; pr < 2; pr++)
+        for (int c8 = 0; c8 < chunks; c8++) {
+            memcpy(qp + ((size_t)pr * chunks + c8) * 16, q[2 * pr] + 8 * c8, 8 * sizeof(float));
+            memcpy(qp + ((size_t)pr * chunks + c8) * 16 + 8, q[2 * pr + 1] + 8 * c8, 8 * sizeof(float));
+        }
+    int64_t t = 0;
+#define KEY2(j) _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(load_kv(k, (size_t)(t + (j)) * hs + 8 * c8, bf))))
+#define PAIR_STORE(a, pr, j)                                                                                     \
+    scores[(2 * (pr)) * stride + t + (j)] = hsum256(_mm512_castps512_ps256(a)) * scale;                          \
+    scores[(2 * (pr) + 1) * stride + t + (j)] = hsum256(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))) * scale;
+    for (; t + 8 <= len; t += 8) {
+        __m512 a[8], b[8]; /* position t + i: rows 0 and 1 (a), 2 and 3 (b) */
+        for (int i = 0; i < 8; i++) a[i] = b[i] = _mm512_setzero_ps();
+        if (t + QK_AHEAD < len) {
+            const char *ahead = (const char *)k + (size_t)(t + QK_AHEAD) * row_bytes;
+            for (size_t x = 0; x < 8 * row_bytes; x += 64) prefetch_line(ahead + x);
+        }
+        for (int c8 = 0; c8 < chunks; c8++) {
+            const __m512 qa = _mm512_loadu_ps(qp + (size_t)c8 * 16), qb = _mm512_loadu_ps(qp + ((size_t)chunks + c8) * 16);
+            for (int i = 0; i < 8; i++) {
+                const __m512 kk = KEY2(i);
+                a[i] = _mm512_fmadd_ps(qa, kk, a[i]);
+                b[i] = _mm512_fmadd_ps(qb, kk, b[i]);
+            }
+        }
+        __m256 h[8];
+        for (int i = 0; i < 8; i++) h[i] = _mm512_castps512_ps256(a[i]);
+        hsum256x8(h, scale, scores + t);
+        for (int i = 0; i < 8; i++) h[i] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1));
+        hsum256x8(h, scale, scores + stride + t);
+        for (int i = 0; i < 8; i++) h[i] = _mm512_castps512_ps256(b[i]);
+        hsum256x8(h, scale, scores + 2 * stride + t);
+        for (int i = 0; i < 8; i++) h[i] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b[i]), 1));
+        hsum256x8(h, scale, scores + 3 * stride + t);
+    }
+    for (; t < len; t++) {
+        __m512 a0 = _mm512_setzero_ps(), b0 = a0;
+        for (int c8 = 0; c8 < chunks; c8++) {
+            const __m512 kk = KEY2(0);
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qp + (size_t)c8 * 16), kk, a0);
+            b0 = _mm512_fmadd_ps(_mm512_loadu_ps(qp + ((size_t)chunks + c8) * 16), kk, b0);
+        }
+        PAIR_STORE(a0, 0, 0) PAIR_STORE(b0, 1, 0)
+    }
+#undef KEY2
+#undef PAIR_STORE
+    for (int j = 0; j < n; j++) softmax_scores(scores + j * stride, p0 + j + 1);
+    /* out_j = sum over t <= p0 + j of p_j[t] v_t, 64 dims (four registers) per pass, then 16. */
+    int i = 0;
+    for (; i + 64 <= hs; i += 64) {
+        __m512 o[ATT_ROWS][4];
+        for (int j = 0; j < ATT_ROWS; j++)
+            for (int g = 0; g < 4; g++) o[j][g] = _mm512_setzero_ps();
+        for (t = 0; t < len; t++) {
+            if (i == 0 && t + PV_AHEAD < len)
+                for (size_t b = 0; b < row_bytes; b += 64) prefetch_line((const char *)v + (size_t)(t + PV_AHEAD) * row_bytes + b);
+            const size_t vt = (size_t)t * hs + i;
+            const __m512 v0 = load_kv16(v, vt, bf), v1 = load_kv16(v, vt + 16, bf), v2 = load_kv16(v, vt + 32, bf),
+                         v3 = load_kv16(v, vt + 48, bf);
+            for (int j = 0; j < ATT_ROWS; j++)
+                if (j < n && t <= p0 + j) {
+                    const __m512 pj = _mm512_set1_ps(scores[j * stride + t]);
+                    o[j][0] = _mm512_fmadd_ps(pj, v0, o[j][0]);
+                    o[j][1] = _mm512_fmadd_ps(pj, v1, o[j][1]);
+                    o[j][2] = _mm512_fmadd_ps(pj, v2, o[j][2]);
+                    o[j][3] = _mm512_fmadd_ps(pj, v3, o[j][3]);
+                }
+        }
+        for (int j = 0; j < n; j++)
+            for (int g = 0; g < 4; g++) _mm512_storeu_ps(out[j] + i + 16 * g, o[j][g]);
+    }
+    for (; i + 16 <= hs; i += 16) {
+        __m512 o[ATT_ROWS];
+        for (int j = 0; j < ATT_ROWS; j++) o[j] = _mm512_setzero_ps();
+        for (t = 0; t < len; t++) {
+            const __m512 vv = load_kv16(v, (size_t)t * hs + i, bf);
+            for (int j = 0; j < ATT_ROWS; j++)
+                if (j < n && t <= p0 + j) o[j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[j * stride + t]), vv, o[j]);
+        }
+        for (int j = 0; j < n; j++) _mm512_storeu_ps(out[j] + i, o[j]);
+    }
+}
+
+__attribute__((target("avx512f,avx2,fma"))) static void attend_rows_avx512(
+    const float *const q[ATT_ROWS], const void *k, const void *v, int64_t p0, int n, int hs, float *scores,
+    size_t stride, float *const out[ATT_ROWS], int kvt) {
+    if (kvt == BF16)
+        attend_rows_kv512(q, k, v, p0, n, hs, scores, stride, out, 1);
+    else
+        attend_rows_kv512(q, k, v, p0, n, hs, scores, stride, out, 0);
 }
 #endif
 
@@ -194,4 +340,44 @@ static void attend(const Model *m, const Layer *L, const Job *job, int r, int hd
     }
 #endif
     attend_generic(q, k, v, pos + 1, hs, scores, out, m->kvt);
+}
+
+/* m->block for a step: runs of rows in one slot at consecutive positions (a prompt chunk's) are cut
+ * into blocks of up to ATT_ROWS, each held by its first row (block[r] its size; 0 for the rest of
+ * it); every other row is a block of one. Blocks only where attend_rows has its kernel. */
+static void attention_blocks(Model *m, const Job *job) {
+    const int blocks = m->avx512 && m->head_dim % 16 == 0 && m->head_dim <= ATT_MAX_HEAD;
+    for (int r = 0, lead = 0; r < job->rows; r++) {
+        if (blocks && r > lead && r - lead < ATT_ROWS && job->slot[r] == job->slot[r - 1] &&
+            job->pos[r] == job->pos[r - 1] + 1) {
+            m->block[lead]++;
+            m->block[r] = 0;
+        } else {
+            lead = r;
+            m->block[r] = 1;
+        }
+    }
+}
+
+/* Rows r..r + n - 1 (one block, see attention_blocks) for head hd: attend's bits for each, each key
+ * and value read once for all of them (a 1024-token prompt at 124M spent a third of its forward in
+ * attention, row by row). */
+static void attend_rows(const Model *m, const Layer *L, const Job *job, int r, int n, int hd, float *scores) {
+#ifdef NS_X86
+    if (m->avx512) {
+        const int c = m->n_embd, hs = m->head_dim;
+        const size_t at = kv_block(m, job, r, hd);
+        const float *q[ATT_ROWS];
+        float *out[ATT_ROWS];
+        for (int j = 0; j < ATT_ROWS; j++) {
+            const int row = r + (j < n ? j : 0); /* rows past n: a stand-in, computed and never stored */
+            q[j] = m->qkv + (size_t)row * 3 * c + hd * hs;
+            out[j] = m->y + (size_t)row * c + hd * hs;
+        }
+        attend_rows_avx512(q, (const char *)L->k + at, (const char *)L->v + at, job->pos[r], n, hs, scores,
+                           (size_t)m->window, out, m->kvt);
+        return;
+    }
+#endif
+    for (int j = 0; j < n; j++) attend(m, L, job, r + j, hd, scores);
 }

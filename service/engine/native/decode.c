@@ -76,7 +76,9 @@ typedef struct {
     /* Shared activations, (max_rows, width) each; h is per thread (max_threads, 2 max_threads, C),
      * for steps of few rows, where every thread normalises the whole residual itself instead of
      * waiting at a barrier; hn holds the normalised rows of larger steps (see normalise). */
-    float *x, *qkv, *y, *f, *h, *hn, *att;
+    float *x, *qkv, *y, *f, *h, *hn, *att; /* att: per thread, ATT_ROWS rows of `window` scores */
+    int *block; /* per row of a step: how many rows its attention block holds (0: another row's
+                 * block holds it; see attention_blocks) */
     int *next; /* per phase of a step, the next unclaimed work item (see claim); zeroed per step */
     parallel_fn parallel;
     barrier_fn barrier;
@@ -236,7 +238,7 @@ static void step_thread(void *arg) {
     const int tid = job->serial ? 0 : m->thread_num(), nt = job->serial ? 1 : m->num_threads();
     const int rows = job->rows, c = m->n_embd;
     float *own = m->h + (size_t)tid * 2 * m->max_threads * c;
-    float *scores = m->att + (size_t)tid * m->window;
+    float *scores = m->att + (size_t)tid * ATT_ROWS * m->window;
     const int heads = rows * m->n_head, head_chunk = chunk_of(heads, nt);
     int phase = 0;
 
@@ -268,7 +270,11 @@ static void step_thread(void *arg) {
         for (int p0 = claim(job, phase, head_chunk); p0 < heads; p0 = claim(job, phase, head_chunk))
             for (int p = p0; p < p0 + head_chunk && p < heads; p++) {
                 if (p + 1 < heads) prefetch_kv(m, L, job, (p + 1) / m->n_head, (p + 1) % m->n_head);
-                attend(m, L, job, p / m->n_head, p % m->n_head, scores);
+                const int r = p / m->n_head, n = m->block[r];
+                if (n == 1)
+                    attend(m, L, job, r, p % m->n_head, scores);
+                else if (n > 1)
+                    attend_rows(m, L, job, r, n, p % m->n_head, scores);
             }
         phase++;
         sync(job);
@@ -433,9 +439,10 @@ void *ns_create(int n_layer, int n_head, int n_embd, int vocab, int slots, int w
     m->f = calloc(r * 4 * c, sizeof(float));
     m->h = calloc((size_t)max_threads * 2 * max_threads * c, sizeof(float));
     m->hn = calloc(r * c, sizeof(float));
-    m->att = calloc((size_t)max_threads * window, sizeof(float));
+    m->att = calloc((size_t)max_threads * ATT_ROWS * window, sizeof(float));
+    m->block = calloc(r, sizeof(int));
     m->next = calloc(PHASES(n_layer), sizeof(int));
-    if (!m->layers || !m->x || !m->qkv || !m->y || !m->f || !m->h || !m->hn || !m->att || !m->next) {
+    if (!m->layers || !m->x || !m->qkv || !m->y || !m->f || !m->h || !m->hn || !m->att || !m->block || !m->next) {
         ns_free(m);
         return NULL;
     }
@@ -464,6 +471,7 @@ void ns_step(void *model, int rows, const int64_t *tok, const int64_t *pos, cons
     Model *m = model;
     Job job = {m, rows, !m->parallel || threads <= 1, tok, pos, slot, out, n_out, logits};
     memset(m->next, 0, PHASES(m->n_layer) * sizeof(int));
+    attention_blocks(m, &job);
     if (job.serial)
         step_thread(&job);
     else
@@ -476,6 +484,6 @@ void ns_free(void *model) {
     if (m->layers)
         for (int i = 0; i < n_linears(m); i++) free(linear_at(m, i)->tiles);
     free(m->xb);
-    free(m->layers), free(m->x), free(m->qkv), free(m->y), free(m->f), free(m->h), free(m->hn), free(m->att), free(m->next);
+    free(m->layers), free(m->x), free(m->qkv), free(m->y), free(m->f), free(m->h), free(m->hn), free(m->att), free(m->block), free(m->next);
     free(m);
 }

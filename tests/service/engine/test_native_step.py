@@ -208,6 +208,40 @@ def test_a_row_gets_the_same_bits_alone_batched_and_on_any_thread_count(
         assert torch.equal(other, results[0])
 
 
+PROMPT_SHAPES = {  # head sizes 10 (no blocks), 32 (16-dim groups), 64 and 96 (64-dim groups, then 16)
+    **SHAPES,
+    "heads of 64": GPTConfig(vocab_size=64, block_size=48, n_layer=2, n_head=2, n_embd=128),
+    "heads of 96": GPTConfig(vocab_size=64, block_size=48, n_layer=1, n_head=2, n_embd=192),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(PROMPT_SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@torch.no_grad()
+def test_a_prompt_chunk_gets_the_bits_of_its_tokens_fed_one_at_a_time(shape: str, dtype: torch.dtype) -> None:
+    # A chunk's rows (one slot, consecutive positions) attend in blocks of up to four that read
+    # each key and value once (AVX-512 level); decode rows never form blocks. 11 tokens: blocks of
+    # 4, 4 and 3, beside a decode row of another slot.
+    cfg = PROMPT_SHAPES[shape]
+    model = _model(cfg).to(dtype)
+    lengths = {0: 5, 1: 9}
+    tokens = [7] + [(3 * i + 1) % cfg.vocab_size for i in range(11)]
+    positions = [5] + [9 + i for i in range(11)]
+    slots = [0] + [1] * 11
+    together_cache, alone_cache = _prefilled(model, 2, lengths, dtype), _prefilled(model, 2, lengths, dtype)
+    torch.set_num_threads(2)
+    try:
+        together = NativeStep(model, together_cache, max_threads=2, max_rows=16)(tokens, positions, slots)
+        alone = NativeStep(model, alone_cache, max_threads=2)
+        rows = zip(tokens, positions, slots, strict=True)
+        one_by_one = torch.cat([alone([t], [p], [s]) for t, p, s in rows])
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(together, one_by_one)
+    for a, b in zip(together_cache.layers, alone_cache.layers, strict=True):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
 @pytest.mark.parametrize(
     ("tokens", "positions", "slots", "message"),
     [
