@@ -69,8 +69,18 @@ __attribute__((target("avx2,fma"), always_inline)) static inline float score1(co
 /* scores[0, n) -> the softmax weights p_t, in place. */
 __attribute__((target("avx2,fma"), always_inline)) static inline void softmax_scores(float *scores, int64_t n) {
     int64_t t;
-    float best = -INFINITY;
-    for (t = 0; t < n; t++) best = scores[t] > best ? scores[t] : best;
+    /* The largest score, eight lanes at a time (the scalar loop was one long dependency chain: a
+     * fifth of a long prompt's attention). A maximum rounds nothing, so any order finds the same
+     * one; max_ps returns its second operand when the first is NaN, so NaN scores are skipped as
+     * the comparison below skips them. (Which zero wins a tie of 0.0 and -0.0 differs, and
+     * x - 0.0 equals x - -0.0 for every score.) */
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (t = 0; t + 8 <= n; t += 8) vmax = _mm256_max_ps(_mm256_loadu_ps(scores + t), vmax);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float best = _mm_cvtss_f32(m4);
+    for (; t < n; t++) best = scores[t] > best ? scores[t] : best;
     const __m256 vbest = _mm256_set1_ps(best);
     __m256 vtotal = _mm256_setzero_ps();
     /* exp(score - best) eight at a time; the last group's missing lanes are zero (as masked loads
