@@ -72,8 +72,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void softmax_sc
     /* The largest score, eight lanes at a time (the scalar loop was one long dependency chain: a
      * fifth of a long prompt's attention). A maximum rounds nothing, so any order finds the same
      * one; max_ps returns its second operand when the first is NaN, so NaN scores are skipped as
-     * the comparison below skips them. (Which zero wins a tie of 0.0 and -0.0 differs, and
-     * x - 0.0 equals x - -0.0 for every score.) */
+     * the comparison below skips them. (Which zero wins a tie of 0.0 and -0.0 may differ;
+     * exp(x - best) is the same either way.) */
     __m256 vmax = _mm256_set1_ps(-INFINITY);
     for (t = 0; t + 8 <= n; t += 8) vmax = _mm256_max_ps(_mm256_loadu_ps(scores + t), vmax);
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
