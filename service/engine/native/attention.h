@@ -369,12 +369,12 @@ static void attention_blocks(Model *m, const Job *job) {
     }
 }
 
-/* Rows r..r + n - 1 (one block, see attention_blocks) for head hd: attend's bits for each, each key
- * and value read once for all of them (a 1024-token prompt at 124M spent a third of its forward in
- * attention, row by row). */
-static void attend_rows(const Model *m, const Layer *L, const Job *job, int r, int n, int hd, float *scores) {
+/* Rows r..r + n - 1 (one block, see attention_blocks) for head hd: a block of one is attend's row;
+ * a larger one gets attend's bits for each row, each key and value read once for all of them (a
+ * 1024-token prompt at 124M spent a third of its forward in attention, row by row). */
+static inline void attend_rows(const Model *m, const Layer *L, const Job *job, int r, int n, int hd, float *scores) {
 #ifdef NS_X86
-    if (m->avx512) {
+    if (n > 1 && m->avx512) { /* attention_blocks forms larger blocks only for this kernel */
         const int c = m->n_embd, hs = m->head_dim;
         const size_t at = kv_block(m, job, r, hd);
         const float *q[ATT_ROWS];

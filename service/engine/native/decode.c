@@ -269,12 +269,10 @@ static void step_thread(void *arg) {
         sync(job);
         for (int p0 = claim(job, phase, head_chunk); p0 < heads; p0 = claim(job, phase, head_chunk))
             for (int p = p0; p < p0 + head_chunk && p < heads; p++) {
-                if (p + 1 < heads) prefetch_kv(m, L, job, (p + 1) / m->n_head, (p + 1) % m->n_head);
                 const int r = p / m->n_head, n = m->block[r];
-                if (n == 1)
-                    attend(m, L, job, r, p % m->n_head, scores);
-                else if (n > 1)
-                    attend_rows(m, L, job, r, n, p % m->n_head, scores);
+                if (!n) continue; /* its row's block is attended with the block's first row */
+                if (p + 1 < heads) prefetch_kv(m, L, job, (p + 1) / m->n_head, (p + 1) % m->n_head);
+                attend_rows(m, L, job, r, n, p % m->n_head, scores);
             }
         phase++;
         sync(job);
