@@ -78,7 +78,7 @@ class EventStreamResponse(StreamingResponse):
     event under a deadline, through a pump task and a second queue: per token that cost a task
     switch, a queue hand-off and a timer, about a fifth of the event loop's streaming work.)
 
-    Starlette cancels the body iterator when the client disconnects; cleanup that awaits must be
+    A client that disconnects cancels the body (see `__call__`); cleanup that awaits must be
     shielded from that cancellation or it would never run and the engine slot would stay taken.
     """
 
@@ -108,9 +108,30 @@ class EventStreamResponse(StreamingResponse):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Starlette runs the body and a disconnect listener in an anyio task group; per request
+        # that cost ~110 us of the event loop's CPU (32 clients, 1-token requests: 470 -> 361 us
+        # a request, alternating A/B). Here the body runs in this task and one plain task listens,
+        # cancelling this one when the client goes away (which ends the body like Starlette's
+        # cancel scope did); a cancellation from anywhere else still propagates.
+        task = asyncio.current_task()
+        assert task is not None
+        disconnected = False
+
+        async def cancel_on_disconnect() -> None:
+            nonlocal disconnected
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected = True
+            task.cancel()
+
+        watcher = asyncio.ensure_future(cancel_on_disconnect())
         try:
-            await super().__call__(scope, receive, send)
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not disconnected or task.uncancel() > 0:
+                raise
         finally:
+            watcher.cancel()
             with anyio.CancelScope(shield=True):
                 aclose = getattr(self._content, "aclose", None)
                 if aclose is not None:
