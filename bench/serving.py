@@ -37,14 +37,13 @@ from bench.engine import load_avg, machine, write_results
 from bench.load import LoadConfig, percentiles, run_load, run_loop
 from service.engine.threads import single_threaded_elsewhere
 from service.heap import freeze_startup_heap
-from service.loop_policy import POLICIES, schedule_this_thread
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
 
 def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str,
-               interval: int = 1, loop_sched: str = "batch") -> dict[str, Any]:
+               interval: int = 1) -> dict[str, Any]:
     from model.checkpoint import load_checkpoint
     from service.engine.config import EngineConfig
     from service.engine.engine import Engine
@@ -52,8 +51,6 @@ def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str
 
     engine = Engine(load_checkpoint(checkpoint), EngineConfig(max_seqs=conc, max_queue=requests))
     engine.start()
-    # This thread runs the in-process consumers' event loop: the server's policy for its loop.
-    restore_policy = schedule_this_thread(loop_sched)
     ttfts: list[float] = []
     tokens = 0
 
@@ -88,24 +85,19 @@ def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str
         for index in counter:
             await one(index)
 
-    try:
-        wall = run_loop(go())  # uvloop, as the server's loop
-    finally:
-        if restore_policy is not None:
-            restore_policy()
+    wall = run_loop(go())  # uvloop, as the server's loop
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "ttft_s": percentiles(ttfts),
             "threads_by_size": engine.info()["cpu_threads_by_forward_size"]}
 
 
 def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str,
-              interval: int = 1, loop_sched: str = "batch") -> dict[str, Any]:
+              interval: int = 1) -> dict[str, Any]:
     import httpx
 
     from tests.service.server import running_server
 
     env = {"NANOSERVE_MAX_SEQS": str(conc), "NANOSERVE_MAX_QUEUE": str(requests),
-           "NANOSERVE_LOG_LEVEL": "warning", "NANOSERVE_STREAM_INTERVAL": str(interval),
-           "NANOSERVE_LOOP_SCHED": loop_sched}
+           "NANOSERVE_LOG_LEVEL": "warning", "NANOSERVE_STREAM_INTERVAL": str(interval)}
     with running_server(checkpoint, env=env) as server:
         def load(n: int) -> Any:
             config = LoadConfig(url=server.base_url, concurrency=conc, requests=n, max_new_tokens=new,
@@ -146,8 +138,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", default="ROMEO:")
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs each way, best kept")
     ap.add_argument("--out", default=str(RESULTS / "serving"))
-    ap.add_argument("--loop-sched", default="batch", choices=POLICIES,
-                    help="the event loop thread's scheduling policy, both ways (the server's --loop-sched)")
     ap.add_argument("--stream-intervals", default="1",
                     help="comma-separated stream intervals, each measured both ways in every repeat")
     args = ap.parse_args(argv)
@@ -164,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         load = (ckpt, args.concurrency, args.requests, args.max_new_tokens, args.prompt)
         for interval in intervals:
             by_way = runs[interval]
-            by_way["in_process"].append(in_process(*load, interval, args.loop_sched))
-            by_way["http"].append(over_http(*load, interval, args.loop_sched))
+            by_way["in_process"].append(in_process(*load, interval))
+            by_way["http"].append(over_http(*load, interval))
             for way, rs in by_way.items():
                 r = rs[-1]
                 print(f"  interval {interval} {way:10s} {r['tokens_per_s']:8.1f} tok/s  TTFT p50 "
@@ -175,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; {meta['utc']}; load "
         f"before/after {meta['load_before']} / {meta['load_after']}. Checkpoint {ckpt.name}, "
         f"{args.concurrency} concurrent clients, {args.requests} requests x {args.max_new_tokens} "
-        f"new tokens, temperature 1, best of {args.repeats} alternating runs; event loop thread "
-        f"policy {args.loop_sched} both ways.\n"
+        f"new tokens, temperature 1, best of {args.repeats} alternating runs.\n"
     )
     results: dict[str, Any] = {"meta": meta, "by_interval": {}}
     for interval, by_way in runs.items():

@@ -46,7 +46,6 @@ from service.engine.engine import Engine
 from service.engine.threads import single_threaded_executor
 from service.errors import install_error_handlers
 from service.heap import freeze_startup_heap, return_free_memory
-from service.loop_policy import schedule_this_thread
 from service.metrics import Metrics
 from service.request_guard import BodyLimitMiddleware, DrainGate, HeaderLimitMiddleware
 from service.settings import Settings
@@ -122,8 +121,6 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     metrics.bind_engine(engine)
     engine.start()
     frozen = False
-    # After engine.start(): the engine thread and its OpenMP workers keep the normal policy.
-    restore_policy = schedule_this_thread(settings.loop_sched)
     try:
         await engine.warmup()
         frozen = freeze_startup_heap()
@@ -135,8 +132,6 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.engine = None
         if frozen:
             gc.unfreeze()
-        if restore_policy is not None:
-            restore_policy()
         await drain_engine(engine, 0.0 if app.state.lifecycle.draining else settings.drain_timeout)
 
 

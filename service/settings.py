@@ -131,11 +131,6 @@ class Settings(BaseSettings):
         le=64,
         description="Stream tokens N at a time (the first at once): fewer writes per token under load.",
     )
-    loop_sched: Literal["batch", "normal"] = Field(
-        default="batch",
-        description="The event loop thread's CPU scheduling once the engine runs: batch (Linux "
-        "SCHED_BATCH: its wake-ups do not preempt the engine's threads mid-step) or normal.",
-    )
     log_level: LogLevel = Field(default="info", description="debug|info|warning|error|critical")
     log_format: Literal["text", "json"] = Field(
         default="text", description="text, or one JSON object a line."

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import gc
 import json
-import os
 import shutil
 import signal
 import socket
@@ -215,26 +214,3 @@ async def test_blocking_work_off_the_event_loop_runs_on_one_torch_thread(tiny_ch
         assert (await client.get("/ready")).status_code == 200
         assert await asyncio.to_thread(torch.get_num_threads) == 1
         assert await asyncio.to_thread(lambda: threading.current_thread().name.startswith("nanoserve-worker"))
-
-
-def _policy(tid: int) -> int:
-    # Field 41 of /proc/<pid>/task/<tid>/stat (after the parenthesised name): the thread's policy.
-    stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2 :].split()[38])
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
-async def test_event_loop_is_a_batch_thread_while_serving(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
-    # service/loop_policy.py: the loop's wake-ups must not preempt the engine's threads mid-step;
-    # the engine thread (and the OpenMP workers it starts) keep the normal policy.
-    loop_tid = threading.get_native_id()
-    assert _policy(loop_tid) == os.SCHED_OTHER
-    async with asgi_client(tiny_checkpoint) as client:
-        assert (await client.get("/ready")).status_code == 200
-        assert _policy(loop_tid) == os.SCHED_BATCH
-        engine_tid = client.app.state.engine._thread.native_id
-        assert _policy(engine_tid) == os.SCHED_OTHER
-    assert _policy(loop_tid) == os.SCHED_OTHER  # restored at shutdown
-    async with asgi_client(tiny_checkpoint, loop_sched="normal") as client:
-        assert (await client.get("/ready")).status_code == 200
-        assert _policy(loop_tid) == os.SCHED_OTHER
