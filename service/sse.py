@@ -118,8 +118,7 @@ class EventStreamResponse(StreamingResponse):
         body = asyncio.ensure_future(self.stream_response(send))
 
         async def cancel_on_disconnect() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
+            await self.listen_for_disconnect(receive)  # Starlette's: returns at http.disconnect
             body.cancel()
 
         watcher = asyncio.ensure_future(cancel_on_disconnect())
