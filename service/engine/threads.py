@@ -14,9 +14,11 @@ Within the engine thread the best count per forward still depends on things no f
 the model's bytes against the caches, the dtype's kernels, and what else the machine does (the
 event loop that streams tokens shares the same two cores). So the tuner treats it as an
 experiment per forward size (tokens in the forward, rounded to a power of two): the first
-forwards of each size take turns between one thread and all of them, the faster median wins,
-and the choice is measured again now and then because the machine's load changes. Forwards of
-ALL_THREADS_FROM tokens or more are compute-bound and always use every thread.
+forwards of each size take turns between all threads and one, the faster median wins, and the
+choice is measured again now and then because the machine's load changes. Forwards of
+ALL_THREADS_FROM tokens or more are compute-bound and always use every thread; so does a size
+whose first forwards on every thread take SURE_ALL_THREADS_S or more (long enough that one thread
+cannot win), without a turn on one.
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ SAMPLES = ROUNDS * (BLOCK - 1)  # timed forwards per candidate
 FIRST_RETUNE = 250
 RETUNE_AFTER = 4000
 ALL_THREADS_FROM = 128  # forward sizes (tokens) that always use every thread
+# Measuring starts on every thread, and a size whose first timed forwards take this long keeps them
+# without a turn on one: with two threads a forward costs half its one-thread time plus what running
+# in parallel costs (its barriers, waking the worker), so one thread could only win if that cost
+# were over a millisecond a forward. The turns on one thread were not free: the benchmark's 16-token
+# prompts at 124M bf16 (AMD Zen 4) were prefilled on one thread in 22 ms instead of 12, 8% of a
+# batch-1 run, and a server paid it for each new size and again at every re-measurement.
+SURE_ALL_THREADS_S = 0.002
 
 
 def default_cpu_threads() -> int:
@@ -92,7 +101,7 @@ class ThreadTuner:
 
     def __init__(self, max_threads: int, enabled: bool = True) -> None:
         self.max_threads = max_threads
-        self.candidates = sorted({1, max_threads})
+        self.candidates = sorted({1, max_threads}, reverse=True)  # every thread's turn first
         self.enabled = enabled and len(self.candidates) > 1
         self._sizes: dict[int, _SizeState] = {}
         self._pending: tuple[int, int, float] | None = None  # (size, threads, start) of a timed forward
@@ -141,11 +150,19 @@ class ThreadTuner:
         state = self._sizes[size]
         if state.choice is not None:
             return
-        state.samples[threads].append(time.perf_counter() - start)
-        if all(len(s) >= SAMPLES for s in state.samples.values()):
-            state.choice = min(self.candidates, key=lambda c: statistics.median(state.samples[c]))
-            confirmed = state.choice == state.previous
-            state.retune_after = min(2 * state.retune_after, RETUNE_AFTER) if confirmed else FIRST_RETUNE
+        samples = state.samples[threads]
+        samples.append(time.perf_counter() - start)
+        first_block = threads == self.max_threads and len(samples) == BLOCK - 1
+        if first_block and statistics.median(samples) >= SURE_ALL_THREADS_S:
+            self._choose(state, self.max_threads)
+        elif all(len(s) >= SAMPLES for s in state.samples.values()):
+            self._choose(state, min(self.candidates, key=lambda c: statistics.median(state.samples[c])))
+
+    @staticmethod
+    def _choose(state: _SizeState, threads: int) -> None:
+        state.choice = threads
+        confirmed = threads == state.previous
+        state.retune_after = min(2 * state.retune_after, RETUNE_AFTER) if confirmed else FIRST_RETUNE
 
     def choices(self) -> dict[int, int]:
         """Forward size -> chosen thread count, for sizes measured so far."""

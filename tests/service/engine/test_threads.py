@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import service.engine.threads as threads_module
-from service.engine.threads import ALL_THREADS_FROM, BLOCK, ROUNDS, ThreadTuner
+from service.engine.threads import ALL_THREADS_FROM, BLOCK, ROUNDS, SURE_ALL_THREADS_S, ThreadTuner
 
 REPO = Path(__file__).resolve().parents[3]
 TUNING = 2 * ROUNDS * BLOCK  # forwards the tuner runs to measure both counts
+MS = 1e-3
 
 
 class FakeClock:
@@ -47,16 +48,35 @@ def run(tuner: ThreadTuner, clock: FakeClock, tokens: int, cost: dict[int, float
 
 def test_alternates_then_keeps_the_faster_count_per_size(clock: FakeClock) -> None:
     tuner = ThreadTuner(2)
-    small = {1: 0.004, 2: 0.007}  # one thread wins for small forwards
-    large = {1: 0.030, 2: 0.018}  # both threads win for large ones
+    small = {1: 0.4 * MS, 2: 0.7 * MS}  # one thread wins for small forwards
+    medium = {1: 1.9 * MS, 2: 1.2 * MS}  # both threads win, and both were tried
     used = [run(tuner, clock, 1, small) for _ in range(TUNING)]
-    assert used == ([1] * BLOCK + [2] * BLOCK) * ROUNDS  # both, in turns, equally
+    assert used == ([2] * BLOCK + [1] * BLOCK) * ROUNDS  # both, in turns, equally
     assert tuner.choices() == {1: 1}
     assert {run(tuner, clock, 1, small) for _ in range(20)} == {1}
-    used = [run(tuner, clock, 64, large) for _ in range(TUNING)]
+    used = [run(tuner, clock, 64, medium) for _ in range(TUNING)]
     assert sorted(used) == [1] * (TUNING // 2) + [2] * (TUNING // 2)
     assert tuner.choices() == {1: 1, 64: 2}
-    assert {run(tuner, clock, 50, large) for _ in range(5)} == {2}  # 50 tokens round up to 64
+    assert {run(tuner, clock, 50, medium) for _ in range(5)} == {2}  # 50 tokens round up to 64
+
+
+def test_long_forwards_keep_every_thread_without_a_turn_on_one(
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(threads_module, "FIRST_RETUNE", 10)
+    tuner = ThreadTuner(2)
+    # Even a (made-up) faster single thread is never tried once every thread takes this long.
+    long = {1: SURE_ALL_THREADS_S / 2, 2: SURE_ALL_THREADS_S}
+    used = [run(tuner, clock, 16, long) for _ in range(BLOCK)]
+    assert used == [2] * BLOCK
+    assert tuner.choices() == {16: 2}
+    # Re-measuring confirms it the same way: one block, never a forward on one thread.
+    assert {run(tuner, clock, 16, long) for _ in range(10 + TUNING)} == {2}
+    # Just under the mark, one thread gets its turns (and wins here).
+    short = {1: SURE_ALL_THREADS_S / 2, 2: 0.99 * SURE_ALL_THREADS_S}
+    used = [run(tuner, clock, 4, short) for _ in range(TUNING)]
+    assert sorted(used) == [1] * (TUNING // 2) + [2] * (TUNING // 2)
+    assert tuner.choices() == {4: 1, 16: 2}
 
 
 def test_large_forwards_always_use_every_thread(clock: FakeClock) -> None:
@@ -67,15 +87,16 @@ def test_large_forwards_always_use_every_thread(clock: FakeClock) -> None:
 
 def test_one_slow_outlier_does_not_decide(clock: FakeClock) -> None:
     tuner = ThreadTuner(2)
-    two_thread_forwards = 0
+    one_thread_forwards = 0
     for _ in range(TUNING):
         tuner.begin(8)
         used = torch.get_num_threads()
-        two_thread_forwards += used == 2
-        # The second two-thread forward is the first one timed: make it an outlier.
-        clock.now += 0.5 if (used == 2 and two_thread_forwards == 2) else (0.010 if used == 2 else 0.012)
+        one_thread_forwards += used == 1
+        # The second one-thread forward is the first one timed: make it an outlier.
+        outlier = used == 1 and one_thread_forwards == 2
+        clock.now += 0.5 if outlier else (1.0 * MS if used == 1 else 1.2 * MS)
         tuner.end()
-    assert tuner.choices() == {8: 2}
+    assert tuner.choices() == {8: 1}
 
 
 def test_the_forward_after_a_switch_is_not_timed(clock: FakeClock) -> None:
@@ -86,7 +107,7 @@ def test_the_forward_after_a_switch_is_not_timed(clock: FakeClock) -> None:
     for _ in range(TUNING):
         tuner.begin(8)
         used = torch.get_num_threads()
-        clock.now += 0.040 if (used == 2 and previous == 1) else (0.010 if used == 2 else 0.012)
+        clock.now += 4.0 * MS if (used == 2 and previous == 1) else (1.0 * MS if used == 2 else 1.2 * MS)
         previous = used
         tuner.end()
     assert tuner.choices() == {8: 2}
@@ -96,13 +117,13 @@ def test_remeasures_after_a_while(clock: FakeClock, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(threads_module, "FIRST_RETUNE", 10)
     tuner = ThreadTuner(2)
     for _ in range(TUNING):
-        run(tuner, clock, 4, {1: 0.001, 2: 0.002})
+        run(tuner, clock, 4, {1: 0.1 * MS, 2: 0.2 * MS})
     assert tuner.choices() == {4: 1}
     for _ in range(10):
-        run(tuner, clock, 4, {1: 0.001, 2: 0.002})
+        run(tuner, clock, 4, {1: 0.1 * MS, 2: 0.2 * MS})
     # The machine changed (say another process left): the next measurement picks 2 threads.
     for _ in range(TUNING + 1):
-        run(tuner, clock, 4, {1: 0.003, 2: 0.001})
+        run(tuner, clock, 4, {1: 0.3 * MS, 2: 0.1 * MS})
     assert tuner.choices() == {4: 2}
 
 
@@ -126,7 +147,7 @@ def test_a_confirmed_choice_is_remeasured_less_often_a_changed_one_soon(
     monkeypatch.setattr(threads_module, "FIRST_RETUNE", 10)
     monkeypatch.setattr(threads_module, "RETUNE_AFTER", 40)
     tuner = ThreadTuner(2)
-    one_wins, two_wins = {1: 0.001, 2: 0.002}, {1: 0.002, 2: 0.001}
+    one_wins, two_wins = {1: 0.1 * MS, 2: 0.2 * MS}, {1: 0.2 * MS, 2: 0.1 * MS}
 
     def measure(cost: dict[int, float]) -> None:
         for _ in range(TUNING - 1):  # the forward that started the measurement was the first
@@ -149,11 +170,11 @@ def test_a_confirmed_choice_is_remeasured_less_often_a_changed_one_soon(
 
 def test_a_failed_forward_is_not_counted(clock: FakeClock) -> None:
     tuner = ThreadTuner(2)
-    run(tuner, clock, 1, {1: 0.002, 2: 0.001})  # a block's first forward: not timed anyway
+    run(tuner, clock, 1, {1: 0.2 * MS, 2: 0.1 * MS})  # a block's first forward: not timed anyway
     tuner.begin(1)
     clock.now += 100.0  # a timed forward that raised: end() never runs
     for _ in range(TUNING):
-        run(tuner, clock, 1, {1: 0.002, 2: 0.001})
+        run(tuner, clock, 1, {1: 0.2 * MS, 2: 0.1 * MS})
     assert tuner.choices() == {1: 2}
 
 
