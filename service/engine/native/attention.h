@@ -325,12 +325,16 @@ static void store_kv(const Model *m, const Layer *L, const Job *job, int r, int 
 /* Start bringing in row r's keys and values of head hd (the next item) while the current one is
  * computed: each item's block lies alone in its window-long stretch of the cache, so the hardware
  * prefetcher would start over at each one. attend_kv asks for the positions past QK_AHEAD itself.
- * (124M bf16, 64 rows at position 32: attention 4.5 -> 3.3 ms of a 26 ms step.) */
+ * (124M bf16, 64 rows at position 32: attention 4.5 -> 3.3 ms of a 26 ms step.) Into L2, not L1:
+ * up to 2 x QK_AHEAD lines asked for at once filled L1's miss buffers, so the current item's own
+ * loads waited behind them, and they pushed its keys and values out of L1 (AMD Zen 4, two builds
+ * alternating, the same bits: 10.7M bf16 32-64 rows at position 40 1.07-1.10x, float32 1.035x,
+ * 124M bf16 32 rows 1.036x, position 200 1.015x, batch 1 and 124M float32 unchanged). */
 static void prefetch_kv(const Model *m, const Layer *L, const Job *job, int r, int hd) {
     const size_t row_bytes = (size_t)m->head_dim * elem_size(m->kvt), at = kv_block(m, job, r, hd);
     const size_t n = (size_t)job->pos[r] + 1, bytes = (n < QK_AHEAD ? n : QK_AHEAD) * row_bytes;
     const char *k = (const char *)L->k + at, *v = (const char *)L->v + at;
-    for (size_t at = 0; at < bytes; at += 64) prefetch_line(k + at), prefetch_line(v + at);
+    for (size_t at = 0; at < bytes; at += 64) prefetch_line_l2(k + at), prefetch_line_l2(v + at);
 }
 
 /* Row r's query for head hd over its slot's positions 0..pos (softmax in float32, as torch's

@@ -133,13 +133,22 @@ static inline float to_float(const void *p, int type, size_t i) {
 /* Ask for the cache line at p. An asm statement, not __builtin_prefetch: GCC 12 at -O2 and above
  * dropped every __builtin_prefetch of prefetch_kv once it was inlined into the step (the object
  * code had none; found when an A/B of it showed no change at all). */
-static inline void prefetch_line(const void *p) {
+static inline void prefetch_into(const void *p, int l1) {
 #ifdef NS_X86
-    __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)p));
+    if (l1)
+        __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)p));
+    else
+        __asm__ volatile("prefetcht1 %0" : : "m"(*(const char *)p));
 #else
-    __builtin_prefetch(p, 0, 3);
+    if (l1)
+        __builtin_prefetch(p, 0, 3);
+    else
+        __builtin_prefetch(p, 0, 2);
 #endif
 }
+static inline void prefetch_line(const void *p) { prefetch_into(p, 1); }
+/* Into L2 only (prefetch_kv: see there why not into L1). */
+static inline void prefetch_line_l2(const void *p) { prefetch_into(p, 0); }
 
 #include "matmul.h"
 
