@@ -328,8 +328,9 @@ static void store_kv(const Model *m, const Layer *L, const Job *job, int r, int 
  * (124M bf16, 64 rows at position 32: attention 4.5 -> 3.3 ms of a 26 ms step.) Into L2, not L1:
  * up to 2 x QK_AHEAD lines asked for at once filled L1's miss buffers, so the current item's own
  * loads waited behind them, and they pushed its keys and values out of L1 (AMD Zen 4, two builds
- * alternating, the same bits: 10.7M bf16 32-64 rows at position 40 1.05-1.11x, float32 1.04x,
- * 124M bf16 32 rows 1.04x, position 200 1.01-1.02x, batch 1 and 124M float32 unchanged). */
+ * alternating, either first, the same bits: 10.7M bf16 32-64 rows at position 40 1.05-1.11x,
+ * float32 1.03-1.04x, 124M bf16 32 rows 1.01-1.04x, position 200 1.01-1.02x, batch 1 and 124M
+ * float32 unchanged). */
 static void prefetch_kv(const Model *m, const Layer *L, const Job *job, int r, int hd) {
     const size_t row_bytes = (size_t)m->head_dim * elem_size(m->kvt), at = kv_block(m, job, r, hd);
     const size_t n = (size_t)job->pos[r] + 1, bytes = (n < QK_AHEAD ? n : QK_AHEAD) * row_bytes;
