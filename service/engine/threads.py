@@ -45,7 +45,7 @@ SAMPLES = ROUNDS * (BLOCK - 1)  # timed forwards per candidate
 FIRST_RETUNE = 250
 RETUNE_AFTER = 4000
 ALL_THREADS_FROM = 128  # forward sizes (tokens) that always use every thread
-# Measuring starts on every thread, and a size whose first timed forwards take this long keeps them
+# Measuring starts on every thread, and a size whose first two timed forwards both take this long keeps them
 # without a turn on one: with two threads a forward costs half its one-thread time plus what running
 # in parallel costs (its barriers, waking the worker), so one thread could only win if that cost
 # were over a millisecond a forward. The turns on one thread were not free: the benchmark's 16-token
@@ -152,8 +152,10 @@ class ThreadTuner:
             return
         samples = state.samples[threads]
         samples.append(time.perf_counter() - start)
-        first_block = threads == self.max_threads and len(samples) == BLOCK - 1
-        if first_block and statistics.median(samples) >= SURE_ALL_THREADS_S:
+        # The first two timings on every thread: both long, so that one slow outlier (which only
+        # ever makes a forward look slower) cannot skip the turns on one thread.
+        first_timings = threads == self.max_threads and len(samples) == BLOCK - 1
+        if first_timings and min(samples) >= SURE_ALL_THREADS_S:
             self._choose(state, self.max_threads)
         elif all(len(s) >= SAMPLES for s in state.samples.values()):
             self._choose(state, min(self.candidates, key=lambda c: statistics.median(state.samples[c])))
