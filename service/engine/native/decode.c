@@ -79,7 +79,7 @@ typedef struct {
     float *x, *qkv, *y, *f, *h, *hn, *att; /* att: per thread, ATT_ROWS rows of `window` scores */
     int *block; /* per row of a step: how many rows its attention block holds (0: another row's
                  * block holds it; see attention_blocks) */
-    int *next; /* per phase of a step, the next unclaimed work item (see claim); zeroed per step */
+    int *next; /* per phase and thread's part of a step, chunks claimed so far (see claim) */
     parallel_fn parallel;
     barrier_fn barrier;
     int_fn thread_num, num_threads;
@@ -160,9 +160,37 @@ static inline void prefetch_line_l2(const void *p) { prefetch_into(p, 0); }
  * other thread then waits at the next barrier for its whole share, and with a claimed one it does
  * the rest instead. (Measured before: another process busy 15% of one core cost the engine 39% of
  * its throughput.) Which thread computes an output never changes its value: each is summed by one
- * thread, in the same order. */
-static int claim(const Job *job, int phase, int chunk) {
-    return __atomic_fetch_add(&job->m->next[phase], chunk, __ATOMIC_RELAXED);
+ * thread, in the same order.
+ *
+ * A phase's chunks are cut into one part per thread, each with its own counter on its own cache
+ * line: a thread claims from its own part first and then from the others' in turn. Undisturbed,
+ * thread t so computes the same outputs at every step and in every layer (its part of x, the
+ * residual that proj and mproj add into, stays in its own core's cache, where one shared counter
+ * dealt the columns out anew each phase and about half of them had last been written on the other
+ * core); a thread that falls behind still has its part finished by the others. */
+#define CLAIM_PAD 16 /* ints between counters: one cache line each */
+
+typedef struct {
+    int phase, chunk, chunks, part, tid, nt;
+} Claims;
+
+static Claims claims(int phase, int items, int chunk, int tid, int nt) {
+    return (Claims){phase, chunk, (items + chunk - 1) / chunk, 0, tid, nt};
+}
+
+static int *claim_counter(const Job *job, int phase, int part) {
+    return &job->m->next[((size_t)phase * job->m->max_threads + part) * CLAIM_PAD];
+}
+
+/* The first item of the next claimed chunk, or -1 once every part is done. */
+static int claim(const Job *job, Claims *c) {
+    for (; c->part < c->nt; c->part++) {
+        const int h = (c->tid + c->part) % c->nt;
+        const int first = (int)((int64_t)c->chunks * h / c->nt), end = (int)((int64_t)c->chunks * (h + 1) / c->nt);
+        const int k = first + __atomic_fetch_add(claim_counter(job, c->phase, h), 1, __ATOMIC_RELAXED);
+        if (k < end) return k * c->chunk;
+    }
+    return -1;
 }
 
 /* Items per claim: about eight claims per thread, so a late thread's work is spread finely
@@ -189,7 +217,8 @@ static void gemv_claimed(const Job *job, int phase, const Linear *l, const float
 #else
     (void)tid;
 #endif
-    for (int p = claim(job, phase, chunk); p < panels; p = claim(job, phase, chunk)) {
+    Claims cl = claims(phase, panels, chunk, tid, nt);
+    for (int p = claim(job, &cl); p >= 0; p = claim(job, &cl)) {
         const int o0 = p * PANEL, o1 = (p + chunk) * PANEL < l->out ? (p + chunk) * PANEL : l->out;
 #ifdef NS_X86
         if (xb && m->tiles == ISA_AMX)
@@ -251,6 +280,8 @@ static void step_thread(void *arg) {
     const int heads = rows * m->n_head, head_chunk = chunk_of(heads, nt);
     int phase = 0;
 
+    /* This thread's part counters, zeroed before the barrier below, which every claim follows. */
+    for (int ph = 0; ph < PHASES(m->n_layer); ph++) *claim_counter(job, ph, tid) = 0;
     for (int r = tid; r < rows; r += nt) {
         /* Token t's embedding: row t of wte, or (tied) output feature t of the head's panels, or of
          * its tile copy once the panels are gone (see ns_tiles_only). */
@@ -276,7 +307,8 @@ static void step_thread(void *arg) {
         sync(job);
         for (int p = tid; p < heads; p += nt) store_kv(m, L, job, p / m->n_head, p % m->n_head);
         sync(job);
-        for (int p0 = claim(job, phase, head_chunk); p0 < heads; p0 = claim(job, phase, head_chunk))
+        Claims cl = claims(phase, heads, head_chunk, tid, nt);
+        for (int p0 = claim(job, &cl); p0 >= 0; p0 = claim(job, &cl))
             for (int p = p0; p < p0 + head_chunk && p < heads; p++) {
                 const int r = p / m->n_head, n = m->block[r];
                 if (!n) continue; /* its row's block is attended with the block's first row */
@@ -448,7 +480,7 @@ void *ns_create(int n_layer, int n_head, int n_embd, int vocab, int slots, int w
     m->hn = calloc(r * c, sizeof(float));
     m->att = calloc((size_t)max_threads * ATT_ROWS * window, sizeof(float));
     m->block = calloc(r, sizeof(int));
-    m->next = calloc(PHASES(n_layer), sizeof(int));
+    m->next = calloc((size_t)PHASES(n_layer) * max_threads * CLAIM_PAD, sizeof(int));
     if (!m->layers || !m->x || !m->qkv || !m->y || !m->f || !m->h || !m->hn || !m->att || !m->block || !m->next) {
         ns_free(m);
         return NULL;
@@ -477,7 +509,6 @@ void ns_step(void *model, int rows, const int64_t *tok, const int64_t *pos, cons
              const int64_t *out, float *logits, int threads) {
     Model *m = model;
     Job job = {m, rows, !m->parallel || threads <= 1, tok, pos, slot, out, n_out, logits};
-    memset(m->next, 0, PHASES(m->n_layer) * sizeof(int));
     attention_blocks(m, &job);
     if (job.serial)
         step_thread(&job);
