@@ -336,6 +336,9 @@ static void prefetch_kv(const Model *m, const Layer *L, const Job *job, int r, i
     const size_t n = (size_t)job->pos[r] + 1, bytes = (n < QK_AHEAD ? n : QK_AHEAD) * row_bytes;
     const char *k = (const char *)L->k + at, *v = (const char *)L->v + at;
     for (size_t at = 0; at < bytes; at += 64) prefetch_line_l2(k + at), prefetch_line_l2(v + at);
+    /* and the row's own position past those, where a decode step's item stores its key and value */
+    for (size_t at = (n - 1) * row_bytes; n > QK_AHEAD && at < n * row_bytes; at += 64)
+        prefetch_line_l2(k + at), prefetch_line_l2(v + at);
 }
 
 /* Row r's query for head hd over its slot's positions 0..pos (softmax in float32, as torch's

@@ -80,6 +80,7 @@ typedef struct {
     int *block; /* per row of a step: how many rows its attention block holds (0: another row's
                  * block holds it; see attention_blocks) */
     int *next; /* per phase and thread's part of a step, chunks claimed so far (see claim) */
+    unsigned char *seen; /* per slot, zero between steps (see own_slots) */
     parallel_fn parallel;
     barrier_fn barrier;
     int_fn thread_num, num_threads;
@@ -91,6 +92,7 @@ typedef struct {
     Model *m;
     int rows, serial; /* serial: no OpenMP entry points, the caller's thread does it all */
     const int64_t *tok, *pos, *slot;
+    int own_slots; /* every row in a slot no other row uses (a decode step): see step_thread */
     const int64_t *out; /* the rows whose logits are wanted, n_out of them */
     int n_out;
     float *logits; /* (n_out, vocab) */
@@ -305,14 +307,22 @@ static void step_thread(void *arg) {
         const float *h = normalise(job, L->ln1, NULL, rows, tid, nt, own);
         gemv_claimed(job, phase++, &L->attn, h, rows, m->qkv, 3 * c, 0, 0, tid, nt);
         sync(job);
-        for (int p = tid; p < heads; p += nt) store_kv(m, L, job, p / m->n_head, p % m->n_head);
-        sync(job);
+        /* A prompt chunk's rows attend over each other's keys, so every key and value is stored
+         * before any row attends. Where each row has a slot of its own (decode steps), only the
+         * row's own attention reads what it stores: each item stores its row's key and value for
+         * its head just before attending, without a phase and a barrier of its own (the stores
+         * had waited on lines of the cache not read before, now asked for by prefetch_kv). */
+        if (!job->own_slots) {
+            for (int p = tid; p < heads; p += nt) store_kv(m, L, job, p / m->n_head, p % m->n_head);
+            sync(job);
+        }
         Claims cl = claims(phase, heads, head_chunk, tid, nt);
         for (int p0 = claim(job, &cl); p0 >= 0; p0 = claim(job, &cl))
             for (int p = p0; p < p0 + head_chunk && p < heads; p++) {
                 const int r = p / m->n_head, n = m->block[r];
                 if (!n) continue; /* its row's block is attended with the block's first row */
                 if (p + 1 < heads) prefetch_kv(m, L, job, (p + 1) / m->n_head, (p + 1) % m->n_head);
+                if (job->own_slots) store_kv(m, L, job, r, p % m->n_head);
                 attend_rows(m, L, job, r, n, p % m->n_head, scores);
             }
         phase++;
@@ -481,7 +491,9 @@ void *ns_create(int n_layer, int n_head, int n_embd, int vocab, int slots, int w
     m->att = calloc((size_t)max_threads * ATT_ROWS * window, sizeof(float));
     m->block = calloc(r, sizeof(int));
     m->next = calloc((size_t)PHASES(n_layer) * max_threads * CLAIM_PAD, sizeof(int));
-    if (!m->layers || !m->x || !m->qkv || !m->y || !m->f || !m->h || !m->hn || !m->att || !m->block || !m->next) {
+    m->seen = calloc(slots, 1);
+    if (!m->layers || !m->x || !m->qkv || !m->y || !m->f || !m->h || !m->hn || !m->att || !m->block || !m->next ||
+        !m->seen) {
         ns_free(m);
         return NULL;
     }
@@ -502,13 +514,24 @@ void *ns_create(int n_layer, int n_head, int n_embd, int vocab, int slots, int w
     return m;
 }
 
+/* Whether no two of the rows share a cache slot. */
+static int own_slots(Model *m, int rows, const int64_t *slot) {
+    int own = 1;
+    for (int r = 0; r < rows && own; r++) {
+        own = !m->seen[slot[r]];
+        m->seen[slot[r]] = 1;
+    }
+    for (int r = 0; r < rows; r++) m->seen[slot[r]] = 0;
+    return own;
+}
+
 /* One forward over `rows` token rows (<= max_rows): row i feeds tok[i] at pos[i] into cache slot
  * slot[i] (decode rows, or the tokens of prompt chunks, a sequence's in position order); the
  * logits of rows out[0..n_out) go to `logits`. On `threads` threads (<= max_threads). */
 void ns_step(void *model, int rows, const int64_t *tok, const int64_t *pos, const int64_t *slot, int n_out,
              const int64_t *out, float *logits, int threads) {
     Model *m = model;
-    Job job = {m, rows, !m->parallel || threads <= 1, tok, pos, slot, out, n_out, logits};
+    Job job = {m, rows, !m->parallel || threads <= 1, tok, pos, slot, own_slots(m, rows, slot), out, n_out, logits};
     attention_blocks(m, &job);
     if (job.serial)
         step_thread(&job);
@@ -523,5 +546,6 @@ void ns_free(void *model) {
         for (int i = 0; i < n_linears(m); i++) free(linear_at(m, i)->tiles);
     free(m->xb);
     free(m->layers), free(m->x), free(m->qkv), free(m->y), free(m->f), free(m->h), free(m->hn), free(m->att), free(m->block), free(m->next);
+    free(m->seen);
     free(m);
 }
