@@ -102,6 +102,21 @@ __attribute__((target("avx512f,avx512bf16"))) static void to_bf16_rows(const flo
     }
 }
 
+/* src[0, n) -> dst[0, n) in bfloat16, rounded as to_bf16_rows rounds (VCVTNEPS2BF16 is
+ * VCVTNE2PS2BF16's conversion for one source): the shared inputs (round_shared) get the same bits
+ * a thread's own rounding would give. */
+__attribute__((target("avx512f,avx512bf16"))) static void round_into(const float *src, int n, uint16_t *dst) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+    if (i < n) {
+        uint16_t tail[16];
+        const __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << (n - i)) - 1u), src + i);
+        _mm256_storeu_si256((__m256i *)tail, (__m256i)_mm512_cvtneps_pbh(v));
+        memcpy(dst + i, tail, (size_t)(n - i) * sizeof(uint16_t));
+    }
+}
+
 /* The AMX copy of a bfloat16 linear's panels: [panel][ROUND32(in) / 2][16][2], an even number of
  * panels (a zero one after an odd count, for the pairs). */
 static uint16_t *amx_tiles(const Linear *l) {
