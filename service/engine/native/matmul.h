@@ -165,6 +165,9 @@ PANEL512_KERNELS(bf16, 2, 1)
  * one panel's weights wp (and wp2 for a second panel), k inputs per row, rows of x k elements
  * apart, sums out. */
 typedef void (*pair_fn)(const void *wp, const void *wp2, int k, const void *x, float *sums);
+/* The same, also asking for `lines` cache lines from pf into L2 as it goes (see gemv_pairs). */
+typedef void (*pair_ahead_fn)(const void *wp, const void *wp2, int k, const void *x, float *sums, const char *pf,
+                              int lines);
 /* [F32 / BF16][panels - 1][rows - 1] */
 static const pair_fn PANELS512[2][2][MAX_R512] = {
     {PANEL512_TABLE(f32, 1), PANEL512_TABLE(f32, 2)}, {PANEL512_TABLE(bf16, 1), PANEL512_TABLE(bf16, 2)}};
@@ -189,26 +192,33 @@ __attribute__((target("avx512f"))) static void store512(const Linear *l, float *
 /* y[r][o] (+)= W[o] . x[r] + b[o] for o in [o0, o1) with a 512-bit family's kernels[panels - 1]
  * [rows - 1]: panels two at a time (one when a single panel is left), rows in blocks of MAX_R512.
  * w: the panels, panel_bytes each; x: the rows, x_bytes apart; k: the kernels' inputs per row.
- * `prefetch`: ask for the next panel pair in shares before each row block, where there are two or
- * more: at the AVX512-BF16 rate the hardware prefetcher no longer hid the weight stream (124M bf16
- * 16 rows 1.13x, 10.7M 64 rows 1.06x; batch 1 unchanged, one block); the float32 kernels lost
- * 5-15% with it, so the widening family does without. */
-static void gemv_pairs(const Linear *l, const pair_fn kernels[2][MAX_R512], const char *w, size_t panel_bytes, int k,
-                       const char *x, size_t x_bytes, int rows, float *y, int ystride, int o0, int o1, int accumulate,
-                       int prefetch) {
+ * `ahead` (the same kernels, prefetching as they go), or NULL: where there are two or more row
+ * blocks, each block's kernel asks for its share of the next panel pair, one line per input pair
+ * (at the AVX512-BF16 rate the hardware prefetcher no longer hid the weight stream: 124M bf16 16
+ * rows 1.13x, 10.7M 64 rows 1.06x; batch 1 unchanged, one block). Until session 16 each share was
+ * asked for at once before its block, into L1: a burst of up to a few hundred prefetches that
+ * waited for miss buffers while the kernel could not start (perf on AMD Zen 4: a fifth of the
+ * kernel's samples on its weight loads). The float32 kernels lost 5-15% with the prefetches, so the
+ * widening family does without. */
+static void gemv_pairs(const Linear *l, const pair_fn kernels[2][MAX_R512], const pair_ahead_fn ahead[2][MAX_R512],
+                       const char *w, size_t panel_bytes, int k, const char *x, size_t x_bytes, int rows, float *y,
+                       int ystride, int o0, int o1, int accumulate) {
     float sums[2 * MAX_R512 * PANEL];
     const int blocks = (rows + MAX_R512 - 1) / MAX_R512;
     const size_t share = (2 * panel_bytes / blocks + 63) / 64 * 64;
     for (int o = o0; o < o1; o += 2 * PANEL) {
         const char *wp = w + (size_t)(o / PANEL) * panel_bytes;
         const int two = o + PANEL < o1;
-        const char *next = prefetch && blocks > 1 && o + 2 * PANEL < o1 ? wp + 2 * panel_bytes : NULL;
+        const char *next = ahead && blocks > 1 && o + 2 * PANEL < o1 ? wp + 2 * panel_bytes : NULL;
         for (int r = 0, b = 0; r < rows; r += MAX_R512, b++) {
             const int n = rows - r < MAX_R512 ? rows - r : MAX_R512;
             float *yr = y + (size_t)r * ystride;
-            if (next)
-                for (size_t at = b * share; at < (b + 1) * share && at < 2 * panel_bytes; at += 64) prefetch_line(next + at);
-            kernels[two][n - 1](wp, wp + panel_bytes, k, x + (size_t)r * x_bytes, sums);
+            const char *xr = x + (size_t)r * x_bytes;
+            const size_t from = b * share, to = from + share < 2 * panel_bytes ? from + share : 2 * panel_bytes;
+            if (next && to > from)
+                ahead[two][n - 1](wp, wp + panel_bytes, k, xr, sums, next + from, (int)((to - from) / 64));
+            else
+                kernels[two][n - 1](wp, wp + panel_bytes, k, xr, sums);
             store512(l, yr, ystride, n, o, sums, accumulate);
             if (two) store512(l, yr, ystride, n, o + PANEL, sums + MAX_R512 * PANEL, accumulate);
         }
@@ -218,8 +228,8 @@ static void gemv_pairs(const Linear *l, const pair_fn kernels[2][MAX_R512], cons
 /* gemv with the AVX-512 widening kernels. */
 static void gemv512(const Model *m, const Linear *l, const float *x, int rows, float *y, int ystride, int o0,
                     int o1, int accumulate) {
-    gemv_pairs(l, PANELS512[m->wt], l->w, (size_t)l->in * PANEL * elem_size(m->wt), l->in, (const char *)x,
-               (size_t)l->in * sizeof(float), rows, y, ystride, o0, o1, accumulate, 0);
+    gemv_pairs(l, PANELS512[m->wt], NULL, l->w, (size_t)l->in * PANEL * elem_size(m->wt), l->in, (const char *)x,
+               (size_t)l->in * sizeof(float), rows, y, ystride, o0, o1, accumulate);
 }
 #endif
 

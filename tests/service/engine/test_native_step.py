@@ -210,6 +210,29 @@ def test_a_row_gets_the_same_bits_alone_batched_and_on_any_thread_count(
         assert torch.equal(other, results[0])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@torch.no_grad()
+def test_rows_in_several_blocks_get_their_bits_alone_on_wide_layers(threads: int) -> None:
+    # Wide enough that a thread's chunk of a layer holds two panel pairs or more, and more rows
+    # than one kernel block (12 rows): where a bf16 model runs on a tile level, the first pair's kernels
+    # then also prefetch the next pair (tiles.h, PANELDP_AHEAD), a second copy of the kernels that
+    # must give the same bits as the one a lone row runs.
+    wide = GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=4, n_embd=256)
+    model = _model(wide).to(torch.bfloat16)
+    rows = 30  # three blocks: each kernel asks for a third of the next pair, less than it has inputs
+    lengths = {s: 3 + s % 9 for s in range(rows)}
+    tokens = [(7 * s) % 64 for s in range(rows)]
+    torch.set_num_threads(threads)
+    try:
+        together = NativeStep(model, _prefilled(model, rows, lengths, torch.bfloat16), max_threads=2)(
+            tokens, [lengths[s] for s in range(rows)], list(range(rows)))
+        alone = NativeStep(model, _prefilled(model, rows, lengths, torch.bfloat16), max_threads=2)
+        for s in range(rows):
+            assert torch.equal(together[s], alone([tokens[s]], [lengths[s]], [s])[0]), s
+    finally:
+        torch.set_num_threads(1)
+
+
 PROMPT_SHAPES = {  # head sizes 10 (no blocks), 32 (16-dim groups), 64 and 96 (64-dim groups, then 16)
     **SHAPES,
     "heads of 64": GPTConfig(vocab_size=64, block_size=48, n_layer=2, n_head=2, n_embd=128),
