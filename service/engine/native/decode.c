@@ -7,7 +7,7 @@
  * GB/s against 25-30 GB/s a plain two-thread read reaches: ~25 library calls per step, each its own
  * parallel region, each handing its weight to the threads in its own way, plus the ops between
  * them. Here the whole step is one OpenMP parallel region, each thread streams long contiguous
- * chunks of every weight (claimed from a shared counter, see claim), and the threads meet at a
+ * chunks of every weight (claimed, see claim), and the threads meet at a
  * barrier only where the next phase reads what another thread wrote.
  *
  * Threads: the region runs on the calling thread's OpenMP team through libgomp's own entry points
