@@ -209,7 +209,9 @@ static void gemv_pairs(const Linear *l, const pair_fn kernels[2][MAX_R512], cons
     for (int o = o0; o < o1; o += 2 * PANEL) {
         const char *wp = w + (size_t)(o / PANEL) * panel_bytes;
         const int two = o + PANEL < o1;
-        const char *next = ahead && blocks > 1 && o + 2 * PANEL < o1 ? wp + 2 * panel_bytes : NULL;
+        /* past o1 too: with each thread's own part of the phase (decode.c, claim), its next claim
+         * is most often the chunk that follows (10.7M bf16 16-64 rows 1.02-1.07x, 124M 1.01-1.05x) */
+        const char *next = ahead && blocks > 1 && o + 2 * PANEL < l->out ? wp + 2 * panel_bytes : NULL;
         for (int r = 0, b = 0; r < rows; r += MAX_R512, b++) {
             const int n = rows - r < MAX_R512 ? rows - r : MAX_R512;
             float *yr = y + (size_t)r * ystride;
