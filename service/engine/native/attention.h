@@ -46,6 +46,25 @@ __attribute__((target("avx2,fma"), always_inline)) static inline float score1(co
 #define QK_AHEAD 32
 #define PV_AHEAD 16
 
+/* The next item's keys and values (ahead_of), asked for into L2 a little at a time while this one
+ * is computed: k and v from `done` up to `bytes`, then the lines in [own, own_end). */
+typedef struct {
+    const char *k, *v;
+    size_t bytes, done, own, own_end;
+} Ahead;
+
+static inline void ahead_some(Ahead *ah, size_t bytes) {
+    if (!ah) return;
+    const size_t end = ah->done + bytes < ah->bytes ? ah->done + bytes : ah->bytes;
+    for (; ah->done < end; ah->done += 64) prefetch_line_l2(ah->k + ah->done), prefetch_line_l2(ah->v + ah->done);
+}
+
+static inline void ahead_rest(Ahead *ah) {
+    if (!ah) return;
+    ahead_some(ah, ah->bytes);
+    for (size_t at = ah->own; at < ah->own_end; at += 64) prefetch_line_l2(ah->k + at), prefetch_line_l2(ah->v + at);
+}
+
 #define SCORE_STEP(j) a##j = _mm256_fmadd_ps(qv, load_kv(k, (size_t)(t + (j)) * hs + i, bf), a##j);
 #define SCORE_STORE(j) scores[t + (j)] = hsum256(a##j) * scale;
 /* out[i0, i0 + 8 W) = sum_t p_t v_t[i0, ...): W eight-wide chains over t, kept in registers. Each
@@ -59,6 +78,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline float score1(co
             if (i == 0 && t + PV_AHEAD < n)                                                                \
                 for (size_t b = 0; b < row_bytes; b += 64)                                                 \
                     prefetch_line((const char *)v + (size_t)(t + PV_AHEAD) * row_bytes + b);                     \
+            if (i == 0) ahead_some(ah, 64);                                                                \
             const __m256 p = _mm256_set1_ps(scores[t]);                                                    \
             const size_t vt = (size_t)t * hs + i;                                                          \
             for (int j = 0; j < (W); j++) o[j] = _mm256_fmadd_ps(p, load_kv(v, vt + 8 * j, bf), o[j]);    \
@@ -126,12 +146,13 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void hsum256x8(
  * holds float32 or (bf) bfloat16. Scores eight positions at a time (eight chains: four left the
  * FMA units waiting on latency; session 12 measured attention at 13% of a 64-row 124M step). */
 __attribute__((target("avx2,fma"), always_inline)) static inline void attend_kv(
-    const float *q, const void *k, const void *v, int64_t n, int hs, float *scores, float *out, int bf) {
+    const float *q, const void *k, const void *v, int64_t n, int hs, float *scores, float *out, int bf, Ahead *ah) {
     const float scale = 1.0f / sqrtf((float)hs);
     int64_t t = 0;
     const size_t row_bytes = (size_t)hs * (bf ? 2 : 4);
     for (; t + 8 <= n; t += 8) {
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        ahead_some(ah, 4 * row_bytes);
         if (t + QK_AHEAD < n) {
             const char *ahead = (const char *)k + (size_t)(t + QK_AHEAD) * row_bytes;
             for (size_t b = 0; b < 8 * row_bytes; b += 64) prefetch_line(ahead + b);
@@ -158,17 +179,19 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void attend_kv(
     PV_BLOCK(8)
     PV_BLOCK(4)
     PV_BLOCK(1)
+    ahead_rest(ah);
 }
 #undef SCORE_STEP
 #undef SCORE_STORE
 #undef PV_BLOCK
 
 __attribute__((target("avx2,fma"))) static void attend_avx2(const float *q, const void *k, const void *v,
-                                                            int64_t n, int hs, float *scores, float *out, int kvt) {
+                                                            int64_t n, int hs, float *scores, float *out, int kvt,
+                                                            Ahead *ah) {
     if (kvt == BF16)
-        attend_kv(q, k, v, n, hs, scores, out, 1);
+        attend_kv(q, k, v, n, hs, scores, out, 1, ah);
     else
-        attend_kv(q, k, v, n, hs, scores, out, 0);
+        attend_kv(q, k, v, n, hs, scores, out, 0, ah);
 }
 
 /* Up to ATT_ROWS query rows of one sequence at consecutive positions p0.. (a prompt chunk's), over
@@ -322,29 +345,37 @@ static void store_kv(const Model *m, const Layer *L, const Job *job, int r, int 
     }
 }
 
-/* Start bringing in row r's keys and values of head hd (the next item) while the current one is
+/* Row r's keys and values of head hd (the next item), to bring in while the current one is
  * computed: each item's block lies alone in its window-long stretch of the cache, so the hardware
- * prefetcher would start over at each one. attend_kv asks for the positions past QK_AHEAD itself.
- * (124M bf16, 64 rows at position 32: attention 4.5 -> 3.3 ms of a 26 ms step.) Into L2, not L1:
- * up to 2 x QK_AHEAD lines asked for at once filled L1's miss buffers, so the current item's own
- * loads waited behind them, and they pushed its keys and values out of L1 (AMD Zen 4, two builds
- * alternating, either first, the same bits: 10.7M bf16 32-64 rows at position 40 1.05-1.11x,
- * float32 1.03-1.04x, 124M bf16 32 rows 1.01-1.04x, position 200 1.01-1.02x, batch 1 and 124M
- * float32 unchanged). */
-static void prefetch_kv(const Model *m, const Layer *L, const Job *job, int r, int hd) {
+ * prefetcher would start over at each one. Its first QK_AHEAD positions (attend_kv asks for the
+ * later ones itself), and the row's own position past those, where a decode step's item stores its
+ * key and value. (124M bf16, 64 rows at position 32: attention 4.5 -> 3.3 ms of a 26 ms step.)
+ * Into L2, not L1: up to 2 x QK_AHEAD lines asked for at once filled L1's miss buffers, so the
+ * current item's own loads waited behind them, and they pushed its keys and values out of L1 (AMD
+ * Zen 4, two builds alternating, either first, the same bits: 10.7M bf16 32-64 rows at position 40
+ * 1.05-1.11x, float32 1.03-1.04x, 124M bf16 32 rows 1.01-1.04x). Since session 16 a decode row's
+ * item asks for them a few lines at a time as it goes (ahead_some in attend_kv's loops): asked for
+ * all at once, the prefetches still waited for miss buffers (perf: 5% of a 10.7M bf16 step on
+ * them), the thread stalled behind them (10.7M bf16 32 / 64 rows 1.02-1.10x / 1.04-1.11x, 124M
+ * 1.03x; position 200 0.99-1.02x). */
+static Ahead ahead_of(const Model *m, const Layer *L, const Job *job, int r, int hd) {
     const size_t row_bytes = (size_t)m->head_dim * elem_size(m->kvt), at = kv_block(m, job, r, hd);
     const size_t n = (size_t)job->pos[r] + 1, bytes = (n < QK_AHEAD ? n : QK_AHEAD) * row_bytes;
-    const char *k = (const char *)L->k + at, *v = (const char *)L->v + at;
-    for (size_t at = 0; at < bytes; at += 64) prefetch_line_l2(k + at), prefetch_line_l2(v + at);
-    /* and the row's own position past those, where a decode step's item stores its key and value */
-    for (size_t at = (n - 1) * row_bytes; n > QK_AHEAD && at < n * row_bytes; at += 64)
-        prefetch_line_l2(k + at), prefetch_line_l2(v + at);
+    Ahead ah = {(const char *)L->k + at, (const char *)L->v + at, bytes, 0, 0, 0};
+    if (n > QK_AHEAD) ah.own = (n - 1) * row_bytes, ah.own_end = n * row_bytes;
+    return ah;
+}
+
+/* All of ahead_of's lines at once (before a prompt chunk's block of rows). */
+static void prefetch_kv(const Model *m, const Layer *L, const Job *job, int r, int hd) {
+    Ahead ah = ahead_of(m, L, job, r, hd);
+    ahead_rest(&ah);
 }
 
 /* Row r's query for head hd over its slot's positions 0..pos (softmax in float32, as torch's
  * kernels do for float32). Every row's key and value are stored before any row attends, so rows
  * of one sequence (a prompt chunk) see each other's. */
-static void attend(const Model *m, const Layer *L, const Job *job, int r, int hd, float *scores) {
+static void attend(const Model *m, const Layer *L, const Job *job, int r, int hd, float *scores, Ahead *ah) {
     const int c = m->n_embd, hs = m->head_dim;
     const int64_t pos = job->pos[r];
     const float *q = m->qkv + (size_t)r * 3 * c + hd * hs;
@@ -353,11 +384,12 @@ static void attend(const Model *m, const Layer *L, const Job *job, int r, int hd
     float *out = m->y + (size_t)r * c + hd * hs;
 #ifdef NS_X86
     if (m->avx2 && hs % 8 == 0) {
-        attend_avx2(q, k, v, pos + 1, hs, scores, out, m->kvt);
+        attend_avx2(q, k, v, pos + 1, hs, scores, out, m->kvt, ah);
         return;
     }
 #endif
     attend_generic(q, k, v, pos + 1, hs, scores, out, m->kvt);
+    ahead_rest(ah);
 }
 
 /* m->block for a step: runs of rows in one slot at consecutive positions (a prompt chunk's) are cut
@@ -397,5 +429,5 @@ static inline void attend_rows(const Model *m, const Layer *L, const Job *job, i
         return;
     }
 #endif
-    for (int j = 0; j < n; j++) attend(m, L, job, r + j, hd, scores);
+    for (int j = 0; j < n; j++) attend(m, L, job, r + j, hd, scores, NULL);
 }

@@ -341,7 +341,8 @@ static void step_thread(void *arg) {
          * before any row attends. Where each row has a slot of its own (decode steps), only the
          * row's own attention reads what it stores: each item stores its row's key and value for
          * its head just before attending, without a phase and a barrier of its own (the stores
-         * had waited on lines of the cache not read before, now asked for by prefetch_kv). */
+         * had waited on lines of the cache not read before; the item before now asks for them,
+         * see ahead_of). */
         if (!job->own_slots) {
             for (int p = tid; p < heads; p += nt) store_kv(m, L, job, p / m->n_head, p % m->n_head);
             sync(job);
@@ -351,9 +352,14 @@ static void step_thread(void *arg) {
             for (int p = p0; p < p0 + head_chunk && p < heads; p++) {
                 const int r = p / m->n_head, n = m->block[r];
                 if (!n) continue; /* its row's block is attended with the block's first row */
-                if (p + 1 < heads) prefetch_kv(m, L, job, (p + 1) / m->n_head, (p + 1) % m->n_head);
                 if (job->own_slots) store_kv(m, L, job, r, p % m->n_head);
-                attend_rows(m, L, job, r, n, p % m->n_head, scores);
+                if (n == 1 && p + 1 < heads) { /* a decode row: the next item's lines asked for as it goes */
+                    Ahead ah = ahead_of(m, L, job, (p + 1) / m->n_head, (p + 1) % m->n_head);
+                    attend(m, L, job, r, p % m->n_head, scores, &ah);
+                } else {
+                    if (p + 1 < heads) prefetch_kv(m, L, job, (p + 1) / m->n_head, (p + 1) % m->n_head);
+                    attend_rows(m, L, job, r, n, p % m->n_head, scores);
+                }
                 const int col = p % m->n_head * m->head_dim;
                 for (int j = r; j < r + n; j++) round_shared(m, m->y + (size_t)j * c + col, m->head_dim, m->yb, c, j, col);
             }
