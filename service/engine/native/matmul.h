@@ -123,43 +123,81 @@ static const panel_fn PANELS[2][MAX_R] = {PANEL_TABLE(f32), PANEL_TABLE(bf16)}; 
     (BF ? _mm512_castsi512_ps(_mm512_slli_epi32(                                                           \
               _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)(w) + (size_t)(k) * PANEL))), 16)) \
         : _mm512_loadu_ps((const float *)(w) + (size_t)(k) * PANEL))
+/* The 2 x 12 accumulators of the 512-bit kernels (these and the tile levels' in tiles.h). */
+#define ACCUMULATORS24                                                                                     \
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, \
+           a9 = a0, a10 = a0, a11 = a0;                                                                    \
+    __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0, b8 = a0, b9 = a0, b10 = a0, \
+           b11 = a0;
+/* Input k of the kernels below: the two panels' weights, then every row's products. */
+#define KSTEP512                                                                                           \
+    const __m512 w0 = LOAD512(wp, k);                                                                      \
+    const __m512 w1 = P > 1 ? LOAD512(wp2, k) : w0;                                                        \
+    ROW512(0) ROW512(1) ROW512(2) ROW512(3) ROW512(4) ROW512(5)                                             \
+    ROW512(6) ROW512(7) ROW512(8) ROW512(9) ROW512(10) ROW512(11)
+#define STORES512                                                                                          \
+    STORE512(0) STORE512(1) STORE512(2) STORE512(3) STORE512(4) STORE512(5)                                 \
+    STORE512(6) STORE512(7) STORE512(8) STORE512(9) STORE512(10) STORE512(11)
+/* feature j of a bfloat16 panel is lane panel_lane(j): j % 8 * 2 + j / 8 */
+#define ORDER512 const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
 /* Rows N against P panels (wp, and wp2 for the second), weights float32 (BF 0) or bfloat16. */
 #define PANEL512(NAME, N, NP, B)                                                                           \
     __attribute__((target("avx512f"))) static void NAME(const void *wp, const void *wp2, int in,          \
                                                         const void *xv, float *sums) {                    \
         enum { R = N, P = NP, BF = B };                                                                    \
         const float *x = xv;                                                                               \
-        /* feature j of a bfloat16 panel is lane panel_lane(j): j % 8 * 2 + j / 8 */                       \
-        const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);    \
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0,   \
-               a8 = a0, a9 = a0, a10 = a0, a11 = a0;                                                       \
-        __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0, b8 = a0, b9 = a0,  \
-               b10 = a0, b11 = a0;                                                                         \
+        ORDER512                                                                                           \
+        ACCUMULATORS24                                                                                     \
         (void)order, (void)wp2;                                                                            \
         for (int k = 0; k < in; k++) {                                                                     \
-            const __m512 w0 = LOAD512(wp, k);                                                              \
-            const __m512 w1 = P > 1 ? LOAD512(wp2, k) : w0;                                                \
-            ROW512(0) ROW512(1) ROW512(2) ROW512(3) ROW512(4) ROW512(5)                                     \
-            ROW512(6) ROW512(7) ROW512(8) ROW512(9) ROW512(10) ROW512(11)                                   \
+            KSTEP512                                                                                       \
         }                                                                                                  \
-        STORE512(0) STORE512(1) STORE512(2) STORE512(3) STORE512(4) STORE512(5)                             \
-        STORE512(6) STORE512(7) STORE512(8) STORE512(9) STORE512(10) STORE512(11)                           \
+        STORES512                                                                                          \
     }
-#define PANEL512_KERNELS(T, NP, B)                                                                         \
-    PANEL512(p512_##NP##_1_##T, 1, NP, B) PANEL512(p512_##NP##_2_##T, 2, NP, B)                           \
-    PANEL512(p512_##NP##_3_##T, 3, NP, B) PANEL512(p512_##NP##_4_##T, 4, NP, B)                           \
-    PANEL512(p512_##NP##_5_##T, 5, NP, B) PANEL512(p512_##NP##_6_##T, 6, NP, B)                           \
-    PANEL512(p512_##NP##_7_##T, 7, NP, B) PANEL512(p512_##NP##_8_##T, 8, NP, B)                           \
-    PANEL512(p512_##NP##_9_##T, 9, NP, B) PANEL512(p512_##NP##_10_##T, 10, NP, B)                         \
-    PANEL512(p512_##NP##_11_##T, 11, NP, B) PANEL512(p512_##NP##_12_##T, 12, NP, B)
-#define PANEL512_TABLE(T, NP)                                                                              \
-    {p512_##NP##_1_##T, p512_##NP##_2_##T, p512_##NP##_3_##T, p512_##NP##_4_##T, p512_##NP##_5_##T,        \
-     p512_##NP##_6_##T, p512_##NP##_7_##T, p512_##NP##_8_##T, p512_##NP##_9_##T, p512_##NP##_10_##T,       \
-     p512_##NP##_11_##T, p512_##NP##_12_##T}
-PANEL512_KERNELS(f32, 1, 0)
-PANEL512_KERNELS(f32, 2, 0)
-PANEL512_KERNELS(bf16, 1, 1)
-PANEL512_KERNELS(bf16, 2, 1)
+/* for (i = 0; i < n; i++) STEP, asking for line i of pf into L2 with each of the first `lines`
+ * steps: two loops, so that the steps past them carry no test (a first version with one loop and a
+ * test per step cost the 512-token prefill 1-1.5%). */
+#define AHEAD_LOOP(i, n, STEP)                                                                             \
+    int i = 0;                                                                                             \
+    for (const int ahead_ = lines < (n) ? lines : (n); i < ahead_; i++) {                                 \
+        prefetch_line_l2(pf + (size_t)i * 64);                                                             \
+        STEP                                                                                               \
+    }                                                                                                      \
+    for (; i < (n); i++) {                                                                                 \
+        STEP                                                                                               \
+    }
+/* The same, and meanwhile lines [0, lines) of pf (a share of the next panel pair, see gemv_pairs)
+ * into L2, one per input. */
+#define PANEL512_AHEAD(NAME, N, NP, B)                                                                     \
+    __attribute__((target("avx512f"))) static void NAME(const void *wp, const void *wp2, int in,          \
+                                                        const void *xv, float *sums, const char *pf, int lines) { \
+        enum { R = N, P = NP, BF = B };                                                                    \
+        const float *x = xv;                                                                               \
+        ORDER512                                                                                           \
+        ACCUMULATORS24                                                                                     \
+        (void)order, (void)wp2;                                                                            \
+        AHEAD_LOOP(k, in, KSTEP512)                                                                        \
+        STORES512                                                                                          \
+    }
+#define PANEL512_KERNELS(K, S, T, NP, B)                                                                   \
+    K(p512##S##_##NP##_1_##T, 1, NP, B) K(p512##S##_##NP##_2_##T, 2, NP, B)                               \
+    K(p512##S##_##NP##_3_##T, 3, NP, B) K(p512##S##_##NP##_4_##T, 4, NP, B)                               \
+    K(p512##S##_##NP##_5_##T, 5, NP, B) K(p512##S##_##NP##_6_##T, 6, NP, B)                               \
+    K(p512##S##_##NP##_7_##T, 7, NP, B) K(p512##S##_##NP##_8_##T, 8, NP, B)                               \
+    K(p512##S##_##NP##_9_##T, 9, NP, B) K(p512##S##_##NP##_10_##T, 10, NP, B)                             \
+    K(p512##S##_##NP##_11_##T, 11, NP, B) K(p512##S##_##NP##_12_##T, 12, NP, B)
+#define PANEL512_TABLE(S, T, NP)                                                                           \
+    {p512##S##_##NP##_1_##T, p512##S##_##NP##_2_##T, p512##S##_##NP##_3_##T, p512##S##_##NP##_4_##T,      \
+     p512##S##_##NP##_5_##T, p512##S##_##NP##_6_##T, p512##S##_##NP##_7_##T, p512##S##_##NP##_8_##T,      \
+     p512##S##_##NP##_9_##T, p512##S##_##NP##_10_##T, p512##S##_##NP##_11_##T, p512##S##_##NP##_12_##T}
+PANEL512_KERNELS(PANEL512, , f32, 1, 0)
+PANEL512_KERNELS(PANEL512, , f32, 2, 0)
+PANEL512_KERNELS(PANEL512, , bf16, 1, 1)
+PANEL512_KERNELS(PANEL512, , bf16, 2, 1)
+PANEL512_KERNELS(PANEL512_AHEAD, _ahead, f32, 1, 0)
+PANEL512_KERNELS(PANEL512_AHEAD, _ahead, f32, 2, 0)
+PANEL512_KERNELS(PANEL512_AHEAD, _ahead, bf16, 1, 1)
+PANEL512_KERNELS(PANEL512_AHEAD, _ahead, bf16, 2, 1)
 
 /* A kernel of the 512-bit families (these widening ones, and the tile levels' AVX512-BF16 ones):
  * one panel's weights wp (and wp2 for a second panel), k inputs per row, rows of x k elements
@@ -170,7 +208,10 @@ typedef void (*pair_ahead_fn)(const void *wp, const void *wp2, int k, const void
                               int lines);
 /* [F32 / BF16][panels - 1][rows - 1] */
 static const pair_fn PANELS512[2][2][MAX_R512] = {
-    {PANEL512_TABLE(f32, 1), PANEL512_TABLE(f32, 2)}, {PANEL512_TABLE(bf16, 1), PANEL512_TABLE(bf16, 2)}};
+    {PANEL512_TABLE(, f32, 1), PANEL512_TABLE(, f32, 2)}, {PANEL512_TABLE(, bf16, 1), PANEL512_TABLE(, bf16, 2)}};
+static const pair_ahead_fn PANELS512_AHEAD[2][2][MAX_R512] = {
+    {PANEL512_TABLE(_ahead, f32, 1), PANEL512_TABLE(_ahead, f32, 2)},
+    {PANEL512_TABLE(_ahead, bf16, 1), PANEL512_TABLE(_ahead, bf16, 2)}};
 #endif
 
 #ifdef NS_X86
@@ -192,14 +233,15 @@ __attribute__((target("avx512f"))) static void store512(const Linear *l, float *
 /* y[r][o] (+)= W[o] . x[r] + b[o] for o in [o0, o1) with a 512-bit family's kernels[panels - 1]
  * [rows - 1]: panels two at a time (one when a single panel is left), rows in blocks of MAX_R512.
  * w: the panels, panel_bytes each; x: the rows, x_bytes apart; k: the kernels' inputs per row.
- * `ahead` (the same kernels, prefetching as they go), or NULL: where there are two or more row
- * blocks, each block's kernel asks for its share of the next panel pair, one line per input pair
- * (at the AVX512-BF16 rate the hardware prefetcher no longer hid the weight stream: 124M bf16 16
- * rows 1.13x, 10.7M 64 rows 1.06x; batch 1 unchanged, one block). Until session 16 each share was
- * asked for at once before its block, into L1: a burst of up to a few hundred prefetches that
- * waited for miss buffers while the kernel could not start (perf on AMD Zen 4: a fifth of the
- * kernel's samples on its weight loads). The float32 kernels lost 5-15% with the prefetches, so the
- * widening family does without. */
+ * `ahead`: the same kernels, prefetching as they go. Where there are two or more row blocks, each
+ * block's kernel asks for its share of the next panel pair, one cache line per input (pair) into
+ * L2, interleaved with its products (at the AVX512-BF16 rate the hardware prefetcher no longer hid
+ * the weight stream: 124M bf16 16 rows 1.13x, 10.7M 64 rows 1.06x; batch 1 unchanged, one block).
+ * Until session 16 each share was asked for at once before its block, into L1, by the tile level
+ * only: a burst of up to a few hundred prefetches that waited for miss buffers while the kernel
+ * could not start (perf on AMD Zen 4: a fifth of the kernel's samples on its weight loads); the
+ * float32 kernels had lost 5-15% with that burst, and gain with the spread requests (10.7M float32
+ * 16 / 32 rows 1.08-1.10x / 1.02-1.05x, 124M 1.05-1.06x / 1.03x). */
 static void gemv_pairs(const Linear *l, const pair_fn kernels[2][MAX_R512], const pair_ahead_fn ahead[2][MAX_R512],
                        const char *w, size_t panel_bytes, int k, const char *x, size_t x_bytes, int rows, float *y,
                        int ystride, int o0, int o1, int accumulate) {
@@ -230,7 +272,7 @@ static void gemv_pairs(const Linear *l, const pair_fn kernels[2][MAX_R512], cons
 /* gemv with the AVX-512 widening kernels. */
 static void gemv512(const Model *m, const Linear *l, const float *x, int rows, float *y, int ystride, int o0,
                     int o1, int accumulate) {
-    gemv_pairs(l, PANELS512[m->wt], NULL, l->w, (size_t)l->in * PANEL * elem_size(m->wt), l->in, (const char *)x,
+    gemv_pairs(l, PANELS512[m->wt], PANELS512_AHEAD[m->wt], l->w, (size_t)l->in * PANEL * elem_size(m->wt), l->in, (const char *)x,
                (size_t)l->in * sizeof(float), rows, y, ystride, o0, o1, accumulate);
 }
 #endif

@@ -165,11 +165,6 @@ static uint16_t *amx_tiles(const Linear *l) {
     const __m512bh w1 = P > 1 ? (__m512bh)_mm512_loadu_si512((const void *)(wp2 + (size_t)kk * 2 * PANEL)) : w0; \
     ROWDP(0) ROWDP(1) ROWDP(2) ROWDP(3) ROWDP(4) ROWDP(5)                                                   \
     ROWDP(6) ROWDP(7) ROWDP(8) ROWDP(9) ROWDP(10) ROWDP(11)
-#define ACCUMULATORSDP                                                                                     \
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, \
-           a9 = a0, a10 = a0, a11 = a0;                                                                    \
-    __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0, b8 = a0, b9 = a0, b10 = a0, \
-           b11 = a0;
 #define STORESDP                                                                                           \
     STOREDP(0) STOREDP(1) STOREDP(2) STOREDP(3) STOREDP(4) STOREDP(5)                                       \
     STOREDP(6) STOREDP(7) STOREDP(8) STOREDP(9) STOREDP(10) STOREDP(11)
@@ -179,7 +174,7 @@ static uint16_t *amx_tiles(const Linear *l) {
                                                                    int inp, const void *xv, float *sums) { \
         enum { R = N, P = NP };                                                                            \
         const uint16_t *wp = wpv, *wp2 = wp2v, *x = xv;                                                    \
-        ACCUMULATORSDP                                                                                     \
+        ACCUMULATORS24                                                                                     \
         (void)wp2;                                                                                         \
         for (int kk = 0; kk < inp / 2; kk++) {                                                             \
             KSTEPDP                                                                                        \
@@ -187,23 +182,15 @@ static uint16_t *amx_tiles(const Linear *l) {
         STORESDP                                                                                           \
     }
 /* The same, and meanwhile lines [0, lines) of pf (the next panel pair's share, see gemv_pairs) into
- * L2, one per input pair: spread over the products instead of asked for all at once before them. */
+ * L2, one per input pair (AHEAD_LOOP): spread over the products instead of asked for all at once. */
 #define PANELDP_AHEAD(NAME, N, NP)                                                                         \
     __attribute__((target("avx512f,avx512bf16"))) static void NAME(                                        \
         const void *wpv, const void *wp2v, int inp, const void *xv, float *sums, const char *pf, int lines) { \
         enum { R = N, P = NP };                                                                            \
         const uint16_t *wp = wpv, *wp2 = wp2v, *x = xv;                                                    \
-        ACCUMULATORSDP                                                                                     \
+        ACCUMULATORS24                                                                                     \
         (void)wp2;                                                                                         \
-        const int pairs = inp / 2, ahead = lines < pairs ? lines : pairs;                                  \
-        int kk = 0;                                                                                        \
-        for (; kk < ahead; kk++) {                                                                         \
-            prefetch_line_l2(pf + (size_t)kk * 64);                                                        \
-            KSTEPDP                                                                                        \
-        }                                                                                                  \
-        for (; kk < pairs; kk++) {                                                                         \
-            KSTEPDP                                                                                        \
-        }                                                                                                  \
+        AHEAD_LOOP(kk, inp / 2, KSTEPDP)                                                                   \
         STORESDP                                                                                           \
     }
 #define PANELDP_KERNELS(K, SUFFIX, NP)                                                                     \

@@ -211,24 +211,28 @@ def test_a_row_gets_the_same_bits_alone_batched_and_on_any_thread_count(
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kernels", ["float32", "bfloat16", "bfloat16 widened"])
 @torch.no_grad()
-def test_rows_in_several_blocks_get_their_bits_alone_on_wide_layers(threads: int) -> None:
+def test_rows_in_several_blocks_get_their_bits_alone_on_wide_layers(threads: int, kernels: str) -> None:
     # Wide enough that a thread's chunk of a layer holds two panel pairs or more, and more rows
-    # than one kernel block (12 rows): where a bf16 model runs on a tile level, the first pair's kernels
-    # then also prefetch the next pair (tiles.h, PANELDP_AHEAD), a second copy of the kernels that
-    # must give the same bits as the one a lone row runs.
+    # than one kernel block (12 rows): on AVX-512 the kernels of every block then also prefetch
+    # the next pair (matmul.h PANEL512_AHEAD, tiles.h PANELDP_AHEAD), a second copy of each kernel
+    # that must give the same bits as the one a lone row runs.
     wide = GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=4, n_embd=256)
-    model = _model(wide).to(torch.bfloat16)
+    dtype = torch.float32 if kernels == "float32" else torch.bfloat16
+    model = _model(wide).to(dtype)
     rows = 30  # three blocks: each kernel asks for a third of the next pair, less than it has inputs
     lengths = {s: 3 + s % 9 for s in range(rows)}
     tokens = [(7 * s) % 64 for s in range(rows)]
+    together = NativeStep(model, _prefilled(model, rows, lengths, dtype), max_threads=2)
+    alone = NativeStep(model, _prefilled(model, rows, lengths, dtype), max_threads=2)
+    if kernels == "bfloat16 widened":  # bf16 weights on the AVX-512 widening kernels, not a tile level
+        together.use_isa("avx512"), alone.use_isa("avx512")
     torch.set_num_threads(threads)
     try:
-        together = NativeStep(model, _prefilled(model, rows, lengths, torch.bfloat16), max_threads=2)(
-            tokens, [lengths[s] for s in range(rows)], list(range(rows)))
-        alone = NativeStep(model, _prefilled(model, rows, lengths, torch.bfloat16), max_threads=2)
+        batched = together(tokens, [lengths[s] for s in range(rows)], list(range(rows)))
         for s in range(rows):
-            assert torch.equal(together[s], alone([tokens[s]], [lengths[s]], [s])[0]), s
+            assert torch.equal(batched[s], alone([tokens[s]], [lengths[s]], [s])[0]), s
     finally:
         torch.set_num_threads(1)
 
