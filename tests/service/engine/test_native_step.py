@@ -212,8 +212,11 @@ def test_a_row_gets_the_same_bits_alone_batched_and_on_any_thread_count(
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kernels", ["float32", "bfloat16", "bfloat16 widened"])
+@pytest.mark.parametrize("rows", [13, 30])  # blocks of 7 + 6 (a last block of 1 is evened out); 12 + 12 + 6
 @torch.no_grad()
-def test_rows_in_several_blocks_get_their_bits_alone_on_wide_layers(threads: int, kernels: str) -> None:
+def test_rows_in_several_blocks_get_their_bits_alone_on_wide_layers(
+    threads: int, kernels: str, rows: int
+) -> None:
     # Wide enough that a thread's chunk of a layer holds two panel pairs or more, and more rows
     # than one kernel block (12 rows): on AVX-512 the kernels of every block then also prefetch
     # the next pair (matmul.h PANEL512_AHEAD, tiles.h PANELDP_AHEAD), a second copy of each kernel
@@ -221,7 +224,6 @@ def test_rows_in_several_blocks_get_their_bits_alone_on_wide_layers(threads: int
     wide = GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=4, n_embd=256)
     dtype = torch.float32 if kernels == "float32" else torch.bfloat16
     model = _model(wide).to(dtype)
-    rows = 30  # three blocks: each kernel asks for a third of the next pair, less than it has inputs
     lengths = {s: 3 + s % 9 for s in range(rows)}
     tokens = [(7 * s) % 64 for s in range(rows)]
     together = NativeStep(model, _prefilled(model, rows, lengths, dtype), max_threads=2)
