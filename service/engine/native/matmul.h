@@ -295,8 +295,11 @@ static void gemv(const Model *m, const Linear *l, const float *x, int rows, floa
     float sums[MAX_R * PANEL];
     for (int o = o0; o < o1; o += PANEL) {
         const void *wp = (const char *)l->w + (size_t)(o / PANEL) * l->in * PANEL * elem_size(m->wt);
-        for (int r = 0; r < rows; r += MAX_R) {
-            const int n = rows - r < MAX_R ? rows - r : MAX_R;
+        for (int r = 0, n = 0; r < rows; r += n) {
+            /* as gemv_pairs: a last block of 1-2 rows evened out with the one before (AVX2
+             * kernels, 10.7M float32: 7 / 8 / 13 rows 1.09x / 1.08-1.12x / 1.00-1.09x) */
+            const int left = rows - r;
+            n = left <= MAX_R ? left : left < MAX_R + 3 ? (left + 1) / 2 : MAX_R;
             const float *xr = x + (size_t)r * l->in;
 #ifdef NS_X86
             if (m->avx2)

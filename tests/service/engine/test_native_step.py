@@ -211,7 +211,7 @@ def test_a_row_gets_the_same_bits_alone_batched_and_on_any_thread_count(
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("kernels", ["float32", "bfloat16", "bfloat16 widened"])
+@pytest.mark.parametrize("kernels", ["float32", "float32 avx2", "bfloat16", "bfloat16 widened"])
 @pytest.mark.parametrize("rows", [13, 30])  # blocks of 7 + 6 (a last block of 1 is evened out); 12 + 12 + 6
 @torch.no_grad()
 def test_rows_in_several_blocks_get_their_bits_alone_on_wide_layers(
@@ -230,6 +230,8 @@ def test_rows_in_several_blocks_get_their_bits_alone_on_wide_layers(
     alone = NativeStep(model, _prefilled(model, rows, lengths, dtype), max_threads=2)
     if kernels == "bfloat16 widened":  # bf16 weights on the AVX-512 widening kernels, not a tile level
         together.use_isa("avx512"), alone.use_isa("avx512")
+    if kernels == "float32 avx2":  # blocks of 6 rows (13: 6 + 4 + 3, a last block of 1 evened out)
+        together.use_isa("avx2"), alone.use_isa("avx2")
     torch.set_num_threads(threads)
     try:
         batched = together(tokens, [lengths[s] for s in range(rows)], list(range(rows)))
