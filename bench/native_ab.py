@@ -1,0 +1,159 @@
+"""Two builds of the native step, alternating in one process: is a change to decode.c faster?
+
+    python bench/native_ab.py --base 8c7ce8a [--head WORKTREE] [--shape 10.7M] [--dtype bfloat16]
+                              [--rows 1,8,32,64,32x16] [--position 40] [--rounds 8] [--steps 40]
+
+Builds service/engine/native/decode.c (with the headers beside it) at two git revisions (--head
+WORKTREE: the files as they are on disk) with gcc -O3, loads each into its own NativeStep over the
+same random weights and the same KV cache contents, checks that both give the same logits (the
+native step's changes are meant to keep every bit), then times them in turns: each round runs
+`--steps` forwards of one build, then of the other, and the next round the other way round (this
+host favoured whichever build ran second by 1-6%). Reports the median over rounds of the ratio
+base / head of each round's median forward time (above 1: head is faster), and each round's ratio.
+`--rows`: decode rows (each in its own slot, at --position), or SxL for S prompts of L tokens
+prefilled from position 0 (the benchmark's prefill: 32x16). Needs gcc and git. Not a test:
+nothing here asserts a speed. Session 16 judged every native-step change with this comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.engine import DTYPES, SHAPES, machine
+from model.config import GPTConfig
+from model.gpt import GPT
+from service.engine import native_step
+from service.engine.kv_slots import SpanKVCache
+from service.engine.native_step import NativeStep
+
+REPO = Path(__file__).resolve().parents[1]
+NATIVE = "service/engine/native"
+
+
+def build(revision: str, out: Path) -> Path:
+    """decode.c at `revision` (WORKTREE: as on disk) compiled into out/<revision>.so."""
+    src = out / f"src-{revision}"
+    src.mkdir(parents=True)
+    if revision == "WORKTREE":
+        for f in (REPO / NATIVE).iterdir():
+            if f.suffix in (".c", ".h"):
+                (src / f.name).write_bytes(f.read_bytes())
+    else:
+        names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{NATIVE}"], cwd=REPO,
+                               check=True, capture_output=True, text=True).stdout.split()
+        for name in (n for n in names if n.endswith((".c", ".h"))):
+            blob = subprocess.run(["git", "show", f"{revision}:{NATIVE}/{name}"], cwd=REPO, check=True,
+                                  capture_output=True).stdout
+            (src / name).write_bytes(blob)
+    lib = out / f"{revision}.so"
+    cc = ["gcc", "-O3", "-std=c11", "-fPIC", "-shared", str(src / "decode.c"), "-o", str(lib), "-lm"]
+    subprocess.run(cc, check=True)
+    return lib
+
+
+def step_for(lib: Path, model: GPT, cfg: GPTConfig, slots: int, dtype: torch.dtype) -> NativeStep:
+    """A NativeStep on library `lib` (as the engine holds one: weights once), over a cache whose
+    contents are the same for every build (seeded)."""
+    real = native_step.library_path
+    native_step.library_path = lambda: lib  # type: ignore[assignment]
+    try:
+        cache = SpanKVCache(cfg.n_layer, slots, cfg.n_head, cfg.block_size, cfg.head_dim, dtype, "cpu")
+        gen = torch.Generator().manual_seed(1)
+        for layer in cache.layers:
+            for t in (layer.k, layer.v):
+                assert t is not None
+                t.copy_(torch.randn(t.shape, generator=gen))
+        return NativeStep(copy.deepcopy(model), cache, max_threads=torch.get_num_threads(), max_rows=2048,
+                          hold_once=True)
+    finally:
+        native_step.library_path = real  # type: ignore[assignment]
+
+
+def forward_args(spec: str, position: int) -> tuple[list[int], list[int], list[int], list[int] | None]:
+    if "x" in spec:  # S prompts of L tokens from position 0, the last row of each wanted
+        seqs, length = (int(v) for v in spec.split("x"))
+        pos = [p for _ in range(seqs) for p in range(length)]
+        slot = [s for s in range(seqs) for _ in range(length)]
+        return [5] * len(pos), pos, slot, [s * length + length - 1 for s in range(seqs)]
+    rows = int(spec)
+    return [5] * rows, [position] * rows, list(range(rows)), None
+
+
+def compare(steps: dict[str, NativeStep], spec: str, position: int, n: int, rounds: int) -> str:
+    args = forward_args(spec, position)
+    outs = {name: st(*args) for name, st in steps.items()}
+    first, second = outs.values()
+    same = torch.equal(first, second)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps.items())
+    for r in range(rounds):
+        for name, st in order if r % 2 == 0 else order[::-1]:
+            samples = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                st(*args)
+                samples.append(time.perf_counter() - t0)
+            times[name].append(statistics.median(samples))
+    base, head = times.values()
+    ratios = [b / h for b, h in zip(base, head, strict=True)]
+    label = f"{spec} rows" if "x" not in spec else f"prefill {spec}"
+    return (f"| {label} | {min(base) * 1e3:.3f} | {min(head) * 1e3:.3f} | {statistics.median(ratios):.3f} | "
+            f"{' '.join(f'{x:.2f}' for x in ratios)} | {'yes' if same else 'NO'} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, help="git revision (or WORKTREE)")
+    ap.add_argument("--head", default="WORKTREE", help="git revision (or WORKTREE, the default)")
+    ap.add_argument("--shape", default="10.7M", choices=sorted(SHAPES))
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--rows", default="1,8,32,64,32x16")
+    ap.add_argument("--position", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", help="also write the table to this file")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg = GPTConfig(**SHAPES[args.shape])
+    torch.manual_seed(0)
+    model = GPT(cfg).to(DTYPES[args.dtype]).eval()
+    specs = args.rows.split(",")
+    slots = max(int(s.split("x")[0]) for s in specs)
+    with tempfile.TemporaryDirectory(prefix="nanoserve-ab-") as tmp, torch.inference_mode():
+        steps = {rev: step_for(build(rev, Path(tmp)), model, cfg, slots, DTYPES[args.dtype])
+                 for rev in (args.base, args.head)}
+        m = machine()
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        base, head = args.base, args.head
+        lines = [
+            f"Machine: {m['cpu']}, {m['cores']} cores; {when}. {args.shape} {args.dtype}, decode rows at "
+            f"position {args.position}; {args.rounds} rounds of {args.steps} forwards, the order turned "
+            "each round.",
+            "",
+            f"| forward | {base} ms (best round) | {head} ms (best round) | {base} / {head}, median of rounds"
+            " | each round | same logits |",
+            "|---|---|---|---|---|---|",
+        ]
+        print("\n".join(lines), flush=True)
+        for spec in specs:
+            lines.append(compare(steps, spec, args.position, args.steps, args.rounds))
+            print(lines[-1], flush=True)
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
