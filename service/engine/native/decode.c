@@ -72,7 +72,7 @@ typedef struct {
     int tiles;  /* bfloat16 weights: the tile level in use (ISA_AVX512BF16, see gemv_dp, or ISA_AMX, see
                  * gemv_amx; bf16-rounded inputs), or 0: the widening kernels */
     int tiles_only; /* the panels are gone (ns_tiles_only): only the levels that read tiles run */
-    uint16_t *xb; /* per thread, (round32(max_rows), round32(4 C)): a phase's inputs in bf16 */
+    uint16_t *xb; /* per thread, (round32(2 max_threads), round32(4 C)): few rows' inputs in bf16 */
     /* On the tile levels, the inputs of the linear layers in bf16, (round32(max_rows), width
      * rounded up to 32) each, rounded where they are computed (see round_shared): hn's, y's, f's */
     uint16_t *hb, *yb, *fb;

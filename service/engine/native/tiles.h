@@ -81,8 +81,12 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void gemv_amx(const 
     }
 }
 
-/* Elements of one thread's bf16 inputs buffer: the most rows, each as wide as the widest input. */
-static inline size_t xb_each(const Model *m) { return (size_t)ROUND32(m->max_rows) * ROUND32(4 * m->n_embd); }
+/* Elements of one thread's bf16 inputs buffer, each row as wide as the widest input. A thread
+ * rounds inputs for itself only for steps of fewer than two rows per thread (larger ones read the
+ * shared copies, see round_shared in decode.c), so it holds that many rows, in whole tiles. */
+static inline size_t xb_each(const Model *m) {
+    return (size_t)ROUND32(2 * m->max_threads) * ROUND32(4 * m->n_embd);
+}
 
 /* x (rows, in) float32 -> xb (rows, ROUND32(in)) bfloat16, rounded to nearest even (as torch
  * rounds; denormal inputs become zero), zero-padded. 32 at a time: AMX CPUs have AVX512-BF16. */
