@@ -255,12 +255,13 @@ static void gemv_pairs(const Linear *l, const pair_fn kernels[2][MAX_R512], cons
          * is most often the chunk that follows (10.7M bf16 16-64 rows 1.02-1.07x, 124M 1.01-1.05x) */
         const char *next = ahead && blocks > 1 && o + 2 * PANEL < l->out ? wp + 2 * panel_bytes : NULL;
         for (int r = 0, b = 0, n = 0; r < rows; r += n, b++) {
-            /* Blocks of MAX_R512 rows, except that a last block of 1-3 rows is evened out with the
+            /* Blocks of MAX_R512 rows, except that a last block of 1-4 rows is evened out with the
              * one before (13 rows: 7 + 6, not 12 + 1): a block of few rows reloads the whole panel
-             * pair for little work (13 rows 1.12-1.26x, 25 rows 1.03-1.11x, 10.7M and 124M; full
-             * rebalancing into near-equal blocks lost 1-3% at 16-64 rows: 12 rows a block is best). */
+             * pair for little work (13 rows 1.12-1.26x, 25 rows 1.03-1.11x, 28 rows 1.02-1.03x, 10.7M
+             * and 124M; full rebalancing into near-equal blocks lost 1-3% at 16-64 rows, and evening
+             * out a last block of 5-6 rows was within the noise: 12 rows a block is best). */
             const int left = rows - r;
-            n = left <= MAX_R512 ? left : left < MAX_R512 + 4 ? (left + 1) / 2 : MAX_R512;
+            n = left <= MAX_R512 ? left : left < MAX_R512 + 5 ? (left + 1) / 2 : MAX_R512;
             float *yr = y + (size_t)r * ystride;
             const char *xr = x + (size_t)r * x_bytes;
             const size_t from = b * share, to = from + share < 2 * panel_bytes ? from + share : 2 * panel_bytes;
