@@ -332,9 +332,12 @@ def run_shape(shape: str, dtype: str, concs: list[int], args: argparse.Namespace
 def write_results(out: str | Path, payload: dict[str, Any], md: str) -> None:
     """A benchmark's results: `out`.json (everything measured) and `out`.md (its table)."""
     path = Path(out)
+    if path.suffix in (".json", ".md"):
+        path = path.with_suffix("")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
-    path.with_suffix(".md").write_text(md)
+    # Suffixes appended, not swapped: a name like results/engine-10.7M would otherwise lose ".7M".
+    path.with_name(path.name + ".json").write_text(json.dumps(payload, indent=2) + "\n")
+    path.with_name(path.name + ".md").write_text(md)
 
 
 def machine() -> dict[str, Any]:

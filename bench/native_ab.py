@@ -62,6 +62,15 @@ def build(revision: str, out: Path) -> Path:
     return lib
 
 
+def label(revision: str) -> str:
+    """A revision as its short commit hash (HEAD moves on), or WORKTREE."""
+    if revision == "WORKTREE":
+        return revision
+    rev = subprocess.run(["git", "rev-parse", "--short", revision], cwd=REPO, check=True, capture_output=True,
+                         text=True)
+    return rev.stdout.strip()
+
+
 def step_for(lib: Path, model: GPT, cfg: GPTConfig, slots: int, dtype: torch.dtype) -> NativeStep:
     """A NativeStep on library `lib` (as the engine holds one: weights once), over a cache whose
     contents are the same for every build (seeded)."""
@@ -136,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                  for rev in (args.base, args.head)}
         m = machine()
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        base, head = args.base, args.head
+        base, head = label(args.base), label(args.head)
         lines = [
             f"Machine: {m['cpu']}, {m['cores']} cores; {when}. {args.shape} {args.dtype}, decode rows at "
             f"position {args.position}; {args.rounds} rounds of {args.steps} forwards, the order turned "
