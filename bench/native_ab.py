@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import DTYPES, SHAPES, machine
+from bench.timing import round_medians_s
 from model.config import GPTConfig
 from model.gpt import GPT
 from service.engine import native_step
@@ -104,17 +105,8 @@ def compare(steps: dict[str, NativeStep], spec: str, position: int, n: int, roun
     outs = {name: st(*args) for name, st in steps.items()}
     first, second = outs.values()
     same = torch.equal(first, second)
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    order = list(steps.items())
-    for r in range(rounds):
-        for name, st in order if r % 2 == 0 else order[::-1]:
-            samples = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                st(*args)
-                samples.append(time.perf_counter() - t0)
-            times[name].append(statistics.median(samples))
-    base, head = times.values()
+    fns = {name: (lambda st=st: st(*args)) for name, st in steps.items()}
+    base, head = round_medians_s(fns, n, rounds).values()
     ratios = [b / h for b, h in zip(base, head, strict=True)]
     label = f"{spec} rows" if "x" not in spec else f"prefill {spec}"
     return (f"| {label} | {min(base) * 1e3:.3f} | {min(head) * 1e3:.3f} | {statistics.median(ratios):.3f} | "

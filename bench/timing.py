@@ -7,14 +7,15 @@ import time
 from collections.abc import Callable
 
 
-def best_median_s(fns: dict[str, Callable[[], object]], steps: int, rounds: int) -> dict[str, float]:
-    """Seconds per call of each variant: the median of `steps` calls, the best of `rounds` rounds
-    that take turns between the variants (a round beside another tenant's burst does not count).
+def round_medians_s(fns: dict[str, Callable[[], object]], steps: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each variant, per round: the median of `steps` calls, in `rounds` rounds
+    that take turns between the variants.
 
     Every other round runs the variants in reverse order: with a fixed order, two builds of the
     same code alternating in one process came out ~1% apart in favour of the second (session 15,
-    AMD Zen 4), which is the size of the changes these comparisons judge."""
-    best = dict.fromkeys(fns, float("inf"))
+    AMD Zen 4; up to 6% in some runs of session 16), which is the size of the changes these
+    comparisons judge."""
+    medians: dict[str, list[float]] = {name: [] for name in fns}
     order = list(fns.items())
     for round_ in range(rounds):
         for name, fn in order if round_ % 2 == 0 else reversed(order):
@@ -23,5 +24,11 @@ def best_median_s(fns: dict[str, Callable[[], object]], steps: int, rounds: int)
                 t0 = time.perf_counter()
                 fn()
                 samples.append(time.perf_counter() - t0)
-            best[name] = min(best[name], statistics.median(samples))
-    return best
+            medians[name].append(statistics.median(samples))
+    return medians
+
+
+def best_median_s(fns: dict[str, Callable[[], object]], steps: int, rounds: int) -> dict[str, float]:
+    """Each variant's best round of round_medians_s (a round beside another tenant's burst does not
+    count)."""
+    return {name: min(medians) for name, medians in round_medians_s(fns, steps, rounds).items()}

@@ -354,7 +354,8 @@ static void store_kv(const Model *m, const Layer *L, const Job *job, int r, int 
  * current item's own loads waited behind them, and they pushed its keys and values out of L1 (AMD
  * Zen 4, two builds alternating, either first, the same bits: 10.7M bf16 32-64 rows at position 40
  * 1.05-1.11x, float32 1.03-1.04x, 124M bf16 32 rows 1.01-1.04x). Since session 16 a decode row's
- * item asks for them a few lines at a time as it goes (ahead_some in attend_kv's loops): asked for
+ * item asks for them a few lines at a time as it goes (ahead_some in attend_kv's loops; a prompt
+ * chunk's block of rows still asks at once, see attend_rows): asked for
  * all at once, the prefetches still waited for miss buffers (perf: 5% of a 10.7M bf16 step on
  * them), the thread stalled behind them (10.7M bf16 32 / 64 rows 1.02-1.10x / 1.04-1.11x, 124M
  * 1.03x; position 200 0.99-1.02x). */
@@ -364,12 +365,6 @@ static Ahead ahead_of(const Model *m, const Layer *L, const Job *job, int r, int
     Ahead ah = {(const char *)L->k + at, (const char *)L->v + at, bytes, 0, 0, 0};
     if (n > QK_AHEAD) ah.own = (n - 1) * row_bytes, ah.own_end = n * row_bytes;
     return ah;
-}
-
-/* All of ahead_of's lines at once (before a prompt chunk's block of rows). */
-static void prefetch_kv(const Model *m, const Layer *L, const Job *job, int r, int hd) {
-    Ahead ah = ahead_of(m, L, job, r, hd);
-    ahead_rest(&ah);
 }
 
 /* Row r's query for head hd over its slot's positions 0..pos (softmax in float32, as torch's
@@ -411,8 +406,14 @@ static void attention_blocks(Model *m, const Job *job) {
 
 /* Rows r..r + n - 1 (one block, see attention_blocks) for head hd: a block of one is attend's row;
  * a larger one gets attend's bits for each row, each key and value read once for all of them (a
- * 1024-token prompt at 124M spent a third of its forward in attention, row by row). */
-static inline void attend_rows(const Model *m, const Layer *L, const Job *job, int r, int n, int hd, float *scores) {
+ * 1024-token prompt at 124M spent a third of its forward in attention, row by row). `ah`: the next
+ * item's lines (ahead_of) or NULL; a block of one asks for them as it goes, a larger one at once. */
+static inline void attend_rows(const Model *m, const Layer *L, const Job *job, int r, int n, int hd, float *scores,
+                               Ahead *ah) {
+    if (n > 1) {
+        ahead_rest(ah);
+        ah = NULL;
+    }
 #ifdef NS_X86
     if (n > 1 && m->avx512) { /* attention_blocks forms larger blocks only for this kernel */
         const int c = m->n_embd, hs = m->head_dim;
@@ -429,5 +430,5 @@ static inline void attend_rows(const Model *m, const Layer *L, const Job *job, i
         return;
     }
 #endif
-    for (int j = 0; j < n; j++) attend(m, L, job, r + j, hd, scores, NULL);
+    for (int j = 0; j < n; j++) attend(m, L, job, r + j, hd, scores, ah);
 }

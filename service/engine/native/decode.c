@@ -136,8 +136,8 @@ static inline float to_float(const void *p, int type, size_t i) {
 #include "row_kernels.h"
 
 /* Ask for the cache line at p. An asm statement, not __builtin_prefetch: GCC 12 at -O2 and above
- * dropped every __builtin_prefetch of prefetch_kv once it was inlined into the step (the object
- * code had none; found when an A/B of it showed no change at all). */
+ * dropped every __builtin_prefetch of the attention's prefetches once inlined into the step (the
+ * object code had none; found when an A/B of it showed no change at all). */
 static inline void prefetch_into(const void *p, int l1) {
 #ifdef NS_X86
     if (l1)
@@ -152,7 +152,7 @@ static inline void prefetch_into(const void *p, int l1) {
 #endif
 }
 static inline void prefetch_line(const void *p) { prefetch_into(p, 1); }
-/* Into L2 only (prefetch_kv: see there why not into L1). */
+/* Into L2 only (ahead_of in attention.h: see there why not into L1). */
 static inline void prefetch_line_l2(const void *p) { prefetch_into(p, 0); }
 
 #include "matmul.h"
@@ -353,13 +353,9 @@ static void step_thread(void *arg) {
                 const int r = p / m->n_head, n = m->block[r];
                 if (!n) continue; /* its row's block is attended with the block's first row */
                 if (job->own_slots) store_kv(m, L, job, r, p % m->n_head);
-                if (n == 1 && p + 1 < heads) { /* a decode row: the next item's lines asked for as it goes */
-                    Ahead ah = ahead_of(m, L, job, (p + 1) / m->n_head, (p + 1) % m->n_head);
-                    attend(m, L, job, r, p % m->n_head, scores, &ah);
-                } else {
-                    if (p + 1 < heads) prefetch_kv(m, L, job, (p + 1) / m->n_head, (p + 1) % m->n_head);
-                    attend_rows(m, L, job, r, n, p % m->n_head, scores);
-                }
+                Ahead next = {0};
+                if (p + 1 < heads) next = ahead_of(m, L, job, (p + 1) / m->n_head, (p + 1) % m->n_head);
+                attend_rows(m, L, job, r, n, p % m->n_head, scores, p + 1 < heads ? &next : NULL);
                 const int col = p % m->n_head * m->head_dim;
                 for (int j = r; j < r + n; j++) round_shared(m, m->y + (size_t)j * c + col, m->head_dim, m->yb, c, j, col);
             }

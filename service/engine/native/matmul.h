@@ -24,6 +24,17 @@ static inline size_t panel_lane(int j, int type) {
 
 #define MAX_R 6 /* rows per register block: 6 x 2 accumulators + 2 weight vectors + 1 broadcast */
 
+/* Rows in the next register block when `left` rows remain and blocks hold up to `most`: full
+ * blocks, except that a last block of `few` rows or fewer is evened out with the one before (13
+ * rows in blocks of 12: 7 + 6, not 12 + 1), since a block of few rows reloads the whole panel (pair)
+ * for little work. AVX-512, blocks of 12, few 4: 13 rows 1.12-1.26x, 25 rows 1.03-1.11x, 28 rows
+ * 1.02-1.03x (10.7M and 124M); rebalancing all blocks lost 1-3% at 16-64 rows and evening out a
+ * last block of 5-6 was within the noise: 12 rows a block is the kernels' best. AVX2, blocks of 6,
+ * few 2: 10.7M float32 7 / 8 / 13 rows 1.09x / 1.08-1.12x / 1.00-1.09x. */
+static inline int block_rows(int left, int most, int few) {
+    return left <= most ? left : left <= most + few ? (left + 1) / 2 : most;
+}
+
 static void store_panel(const Linear *l, float *y, int ystride, int rows, int o, const float *sums, int accumulate) {
     const int n = l->out - o < PANEL ? l->out - o : PANEL;
     for (int r = 0; r < rows; r++) {
@@ -255,13 +266,7 @@ static void gemv_pairs(const Linear *l, const pair_fn kernels[2][MAX_R512], cons
          * is most often the chunk that follows (10.7M bf16 16-64 rows 1.02-1.07x, 124M 1.01-1.05x) */
         const char *next = ahead && blocks > 1 && o + 2 * PANEL < l->out ? wp + 2 * panel_bytes : NULL;
         for (int r = 0, b = 0, n = 0; r < rows; r += n, b++) {
-            /* Blocks of MAX_R512 rows, except that a last block of 1-4 rows is evened out with the
-             * one before (13 rows: 7 + 6, not 12 + 1): a block of few rows reloads the whole panel
-             * pair for little work (13 rows 1.12-1.26x, 25 rows 1.03-1.11x, 28 rows 1.02-1.03x, 10.7M
-             * and 124M; full rebalancing into near-equal blocks lost 1-3% at 16-64 rows, and evening
-             * out a last block of 5-6 rows was within the noise: 12 rows a block is best). */
-            const int left = rows - r;
-            n = left <= MAX_R512 ? left : left < MAX_R512 + 5 ? (left + 1) / 2 : MAX_R512;
+            n = block_rows(rows - r, MAX_R512, 4);
             float *yr = y + (size_t)r * ystride;
             const char *xr = x + (size_t)r * x_bytes;
             const size_t from = b * share, to = from + share < 2 * panel_bytes ? from + share : 2 * panel_bytes;
@@ -297,10 +302,7 @@ static void gemv(const Model *m, const Linear *l, const float *x, int rows, floa
     for (int o = o0; o < o1; o += PANEL) {
         const void *wp = (const char *)l->w + (size_t)(o / PANEL) * l->in * PANEL * elem_size(m->wt);
         for (int r = 0, n = 0; r < rows; r += n) {
-            /* as gemv_pairs: a last block of 1-2 rows evened out with the one before (AVX2
-             * kernels, 10.7M float32: 7 / 8 / 13 rows 1.09x / 1.08-1.12x / 1.00-1.09x) */
-            const int left = rows - r;
-            n = left <= MAX_R ? left : left < MAX_R + 3 ? (left + 1) / 2 : MAX_R;
+            n = block_rows(rows - r, MAX_R, 2);
             const float *xr = x + (size_t)r * l->in;
 #ifdef NS_X86
             if (m->avx2)

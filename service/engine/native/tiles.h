@@ -88,30 +88,12 @@ static inline size_t xb_each(const Model *m) {
     return (size_t)ROUND32(2 * m->max_threads) * ROUND32(4 * m->n_embd);
 }
 
-/* x (rows, in) float32 -> xb (rows, ROUND32(in)) bfloat16, rounded to nearest even (as torch
- * rounds; denormal inputs become zero), zero-padded. 32 at a time: AMX CPUs have AVX512-BF16. */
-__attribute__((target("avx512f,avx512bf16"))) static void to_bf16_rows(const float *x, int rows, int in,
-                                                                     uint16_t *xb) {
-    const int inp = ROUND32(in);
-    for (int r = 0; r < rows; r++) {
-        const float *src = x + (size_t)r * in;
-        uint16_t *dst = xb + (size_t)r * inp;
-        for (int k = 0; k < inp; k += 32) {
-            const int left = in - k;
-            const __mmask16 lo = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
-            const __mmask16 hi = left >= 32 ? 0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : 0;
-            const __m512 a = _mm512_maskz_loadu_ps(lo, src + k), b = _mm512_maskz_loadu_ps(hi, src + k + 16);
-            _mm512_storeu_si512((void *)(dst + k), (__m512i)_mm512_cvtne2ps_pbh(b, a));
-        }
-    }
-}
-
-/* src[0, n) -> dst[0, n) in bfloat16, rounded as to_bf16_rows rounds (VCVTNEPS2BF16 is
- * VCVTNE2PS2BF16's conversion for one source): the shared inputs (round_shared) get the same bits
- * a thread's own rounding would give. */
+/* src[0, n) -> dst[0, n) in bfloat16, rounded to nearest even as torch rounds (denormal inputs
+ * become zero): 32 at a time, then 16, then the tail (AMX CPUs have AVX512-BF16). Every bf16 input
+ * of the tile levels goes through here, so a value gets the same bits whoever rounds it. */
 __attribute__((target("avx512f,avx512bf16"))) static void round_into(const float *src, int n, uint16_t *dst) {
     int i = 0;
-    for (; i + 32 <= n; i += 32) /* two vectors per instruction, as to_bf16_rows */
+    for (; i + 32 <= n; i += 32)
         _mm512_storeu_si512((void *)(dst + i),
                             (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i)));
     for (; i + 16 <= n; i += 16)
@@ -121,6 +103,17 @@ __attribute__((target("avx512f,avx512bf16"))) static void round_into(const float
         const __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << (n - i)) - 1u), src + i);
         _mm256_storeu_si256((__m256i *)tail, (__m256i)_mm512_cvtneps_pbh(v));
         memcpy(dst + i, tail, (size_t)(n - i) * sizeof(uint16_t));
+    }
+}
+
+/* x (rows, in) float32 -> xb (rows, ROUND32(in)) bfloat16, zero-padded: the buffer also holds rows
+ * of other widths between calls, so the padding is written each time. */
+static void to_bf16_rows(const float *x, int rows, int in, uint16_t *xb) {
+    const int inp = ROUND32(in);
+    for (int r = 0; r < rows; r++) {
+        uint16_t *dst = xb + (size_t)r * inp;
+        round_into(x + (size_t)r * in, in, dst);
+        memset(dst + in, 0, (size_t)(inp - in) * sizeof(uint16_t));
     }
 }
 
