@@ -331,14 +331,48 @@ static size_t kv_block(const Model *m, const Job *job, int r, int hd) {
     return (((size_t)job->slot[r] * m->n_head + hd) * m->window) * m->head_dim * elem_size(m->kvt);
 }
 
+#ifdef NS_X86
+/* float_to_bf16 eight at a time, the same bits (round to nearest even, denormals kept, NaN stays a
+ * quiet NaN): not the AVX512-BF16 conversion of round_into, which flushes denormal inputs to zero,
+ * where the cache must hold what torch's conversion gives. n a multiple of 8. */
+__attribute__((target("avx2"))) static void bf16_exact_avx2(const float *src, int n, uint16_t *dst) {
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff), quiet = _mm256_set1_epi32(0x40);
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    for (int i = 0; i < n; i += 8) {
+        const __m256i u = _mm256_loadu_si256((const __m256i *)(src + i));
+        const __m256i hi = _mm256_srli_epi32(u, 16);
+        const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(hi, one))), 16);
+        const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
+        const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(hi, quiet), nan);
+        /* 32 -> 16 bits: every lane is below 0x10000, so the saturating pack keeps it; the pack
+         * works within 128-bit halves, the permute puts the two halves' results side by side. */
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_castsi256_si128(packed));
+    }
+}
+#endif
+
+/* src[0, n) -> dst in bfloat16 as float_to_bf16 rounds (the cache's stores; a prompt's were a
+ * scalar loop that took 3% of a 512-token prefill at 10.7M). */
+static void bf16_exact(const Model *m, const float *src, int n, uint16_t *dst) {
+    int i = 0;
+#ifdef NS_X86
+    if (m->avx2) {
+        i = n / 8 * 8;
+        bf16_exact_avx2(src, i, dst);
+    }
+#endif
+    for (; i < n; i++) dst[i] = float_to_bf16(src[i]);
+}
+
 /* Row r's new key and value for head hd, into its slot at its position. */
 static void store_kv(const Model *m, const Layer *L, const Job *job, int r, int hd) {
     const int c = m->n_embd, hs = m->head_dim;
     const size_t at = kv_block(m, job, r, hd) / elem_size(m->kvt) + (size_t)job->pos[r] * hs;
     const float *key = m->qkv + (size_t)r * 3 * c + c + hd * hs, *value = key + c;
     if (m->kvt == BF16) {
-        uint16_t *k = (uint16_t *)L->k + at, *v = (uint16_t *)L->v + at;
-        for (int i = 0; i < hs; i++) k[i] = float_to_bf16(key[i]), v[i] = float_to_bf16(value[i]);
+        bf16_exact(m, key, hs, (uint16_t *)L->k + at);
+        bf16_exact(m, value, hs, (uint16_t *)L->v + at);
     } else {
         memcpy((float *)L->k + at, key, hs * sizeof(float));
         memcpy((float *)L->v + at, value, hs * sizeof(float));

@@ -275,6 +275,44 @@ def test_a_prompt_chunk_gets_the_bits_of_its_tokens_fed_one_at_a_time(shape: str
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
 
 
+# float32 bit patterns whose bfloat16 rounding has a rule of its own: ties to even (down and up),
+# just above and below a tie, denormals (kept, not flushed: the smallest rounds to zero, others
+# keep their bits; the smallest negative one rounds to -0), the largest finite values (round to
+# infinity), infinities, NaNs (all-ones payloads would carry into the sign if rounded as numbers),
+# zero.
+ROUNDING_EDGES = [0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF, 0x00000001, 0x00408000, 0x00418000,
+                  0x807FFFFF, 0x7F7FFFFF, 0x7F7F8000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001,
+                  0xFFC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x80000001, 0x00000000, 0x40490FDB, 0xC0200000]
+
+
+@pytest.mark.parametrize("level", ["c", "best"])
+@torch.no_grad()
+def test_keys_and_values_are_stored_in_bfloat16_as_torch_rounds_them(level: str) -> None:
+    """A bf16 cache holds exactly torch's float32 -> bfloat16 rounding of each key and value
+    (NaN as some NaN): the stores round eight at a time on x86 and the rest one by one; heads of
+    12 take both. The keys and values come straight from the QKV bias (weights zero), so they
+    are the edge cases above, in a decode row and in a prompt chunk's rows."""
+    cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=4, n_embd=48)
+    model = _model(cfg)
+    edges = torch.tensor(ROUNDING_EDGES, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    kv = edges.repeat(2 * cfg.n_embd // len(edges) + 1)[: 2 * cfg.n_embd]
+    attn = model.h[0].attn.c_attn
+    attn.weight.zero_()
+    attn.bias[cfg.n_embd :] = kv
+    cache = _prefilled(model, 2, {}, torch.bfloat16)
+    native = NativeStep(model, cache, max_threads=2, max_rows=8)
+    if level == "c":
+        assert native.use_isa("c") == "c"
+    native([1, 2, 3, 4], [0, 0, 1, 2], [0, 1, 1, 1])  # a decode row, then a chunk of three
+    want = kv.to(torch.bfloat16).view(2, cfg.n_head, cfg.head_dim)  # keys, values per head
+    for slot, pos in [(0, 0), (1, 0), (1, 1), (1, 2)]:
+        layer = cache.layers[0]
+        for got, expected in ((layer.k[slot, :, pos], want[0]), (layer.v[slot, :, pos], want[1])):  # type: ignore[index]
+            nan = expected.isnan()
+            assert torch.equal(got.isnan(), nan), (slot, pos)
+            assert torch.equal(got[~nan].view(torch.int16), expected[~nan].view(torch.int16)), (slot, pos)
+
+
 @pytest.mark.parametrize(
     ("tokens", "positions", "slots", "message"),
     [
