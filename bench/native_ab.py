@@ -7,9 +7,12 @@ Builds service/engine/native/decode.c (with the headers beside it) at two git re
 WORKTREE: the files as they are on disk) with gcc -O3, loads each into its own NativeStep over the
 same random weights and the same KV cache contents, checks that both give the same logits (the
 native step's changes are meant to keep every bit), then times them in turns: each round runs
-`--steps` forwards of one build, then of the other, and the next round the other way round (this
-host favoured whichever build ran second by 1-6%). Reports the median over rounds of the ratio
-base / head of each round's median forward time (above 1: head is faster), and each round's ratio.
+`--steps` forwards of each, one after the other, and the next round the other way round. Each
+build runs as two instances, made in the order base, head, head, base: with one of each, the
+build made second came out 1-6% faster when both were the same code (`--base HEAD --head HEAD`,
+AMD Zen 4, session 17), whichever ran first in a round; made in that order, the place in the
+making order is the same on average for both. Reports the median over rounds of the ratio base /
+head of each round's summed median forward times (above 1: head is faster), and each round's.
 `--rows`: decode rows (each in its own slot, at --position), or SxL for S prompts of L tokens
 prefilled from position 0 (the benchmark's prefill: 32x16). Needs gcc and git. Not a test:
 nothing here asserts a speed. Session 16 judged every native-step change with this comparison.
@@ -44,8 +47,7 @@ NATIVE = "service/engine/native"
 
 def build(revision: str, out: Path) -> Path:
     """decode.c at `revision` (WORKTREE: as on disk) compiled into out/<revision>.so."""
-    src = out / f"src-{revision}"
-    src.mkdir(parents=True)
+    src = Path(tempfile.mkdtemp(prefix=f"src-{revision}-", dir=out))  # a revision may come twice
     if revision == "WORKTREE":
         for f in (REPO / NATIVE).iterdir():
             if f.suffix in (".c", ".h"):
@@ -57,7 +59,7 @@ def build(revision: str, out: Path) -> Path:
             blob = subprocess.run(["git", "show", f"{revision}:{NATIVE}/{name}"], cwd=REPO, check=True,
                                   capture_output=True).stdout
             (src / name).write_bytes(blob)
-    lib = out / f"{revision}.so"
+    lib = src / f"{revision}.so"
     cc = ["gcc", "-O3", "-std=c11", "-fPIC", "-shared", str(src / "decode.c"), "-o", str(lib), "-lm"]
     subprocess.run(cc, check=True)
     return lib
@@ -100,14 +102,23 @@ def forward_args(spec: str, position: int) -> tuple[list[int], list[int], list[i
     return [5] * rows, [position] * rows, list(range(rows)), None
 
 
-def compare(steps: dict[str, NativeStep], spec: str, position: int, n: int, rounds: int) -> str:
+MADE = ("base", "head", "head", "base")  # the order the instances are made in (see the docstring)
+
+
+def abba_ratios(medians: list[list[float]]) -> tuple[list[float], list[float], list[float]]:
+    """Per-round medians of the instances made in MADE's order -> (each round's base / head ratio
+    of summed times, each round's base time and head time per forward, the two instances' mean)."""
+    base = [(a + d) / 2 for a, d in zip(medians[0], medians[3], strict=True)]
+    head = [(b + c) / 2 for b, c in zip(medians[1], medians[2], strict=True)]
+    return [b / h for b, h in zip(base, head, strict=True)], base, head
+
+
+def compare(steps: list[NativeStep], spec: str, position: int, n: int, rounds: int) -> str:
     args = forward_args(spec, position)
-    outs = {name: st(*args) for name, st in steps.items()}
-    first, second = outs.values()
-    same = torch.equal(first, second)
-    fns = {name: (lambda st=st: st(*args)) for name, st in steps.items()}
-    base, head = round_medians_s(fns, n, rounds).values()
-    ratios = [b / h for b, h in zip(base, head, strict=True)]
+    first, *others = (st(*args) for st in steps)
+    same = all(torch.equal(first, other) for other in others)
+    fns = {f"{role}{i}": (lambda st=st: st(*args)) for i, (role, st) in enumerate(zip(MADE, steps, strict=True))}
+    ratios, base, head = abba_ratios(list(round_medians_s(fns, n, rounds).values()))
     label = f"{spec} rows" if "x" not in spec else f"prefill {spec}"
     return (f"| {label} | {min(base) * 1e3:.3f} | {min(head) * 1e3:.3f} | {statistics.median(ratios):.3f} | "
             f"{' '.join(f'{x:.2f}' for x in ratios)} | {'yes' if same else 'NO'} |")
@@ -133,15 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     specs = args.rows.split(",")
     slots = max(int(s.split("x")[0]) for s in specs)
     with tempfile.TemporaryDirectory(prefix="nanoserve-ab-") as tmp, torch.inference_mode():
-        steps = {rev: step_for(build(rev, Path(tmp)), model, cfg, slots, DTYPES[args.dtype])
-                 for rev in (args.base, args.head)}
+        libs = {"base": build(args.base, Path(tmp)), "head": build(args.head, Path(tmp))}
+        steps = [step_for(libs[role], model, cfg, slots, DTYPES[args.dtype]) for role in MADE]
         m = machine()
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         base, head = label(args.base), label(args.head)
         lines = [
             f"Machine: {m['cpu']}, {m['cores']} cores; {when}. {args.shape} {args.dtype}, decode rows at "
-            f"position {args.position}; {args.rounds} rounds of {args.steps} forwards, the order turned "
-            "each round.",
+            f"position {args.position}; {args.rounds} rounds of {args.steps} forwards, two instances of each "
+            "build (made base, head, head, base), the order turned each round.",
             "",
             f"| forward | {base} ms (best round) | {head} ms (best round) | {base} / {head}, median of rounds"
             " | each round | same logits |",
