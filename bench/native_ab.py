@@ -117,7 +117,8 @@ def compare(steps: list[NativeStep], spec: str, position: int, n: int, rounds: i
     args = forward_args(spec, position)
     first, *others = (st(*args) for st in steps)
     same = all(torch.equal(first, other) for other in others)
-    fns = {f"{role}{i}": (lambda st=st: st(*args)) for i, (role, st) in enumerate(zip(MADE, steps, strict=True))}
+    made = enumerate(zip(MADE, steps, strict=True))
+    fns = {f"{role}{i}": (lambda st=st: st(*args)) for i, (role, st) in made}
     ratios, base, head = abba_ratios(list(round_medians_s(fns, n, rounds).values()))
     label = f"{spec} rows" if "x" not in spec else f"prefill {spec}"
     return (f"| {label} | {min(base) * 1e3:.3f} | {min(head) * 1e3:.3f} | {statistics.median(ratios):.3f} | "
