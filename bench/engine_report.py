@@ -34,6 +34,15 @@ def _rates(limits: dict[str, float]) -> str:
                      if k.startswith("matmul_GFLOPs_"))
 
 
+def _reads(limits: dict[str, float]) -> str:
+    """Which read set the bandwidth: memory (512 MiB) and a buffer the weights' size (runs before
+    session 17 measured the first only)."""
+    if "bandwidth_weights_GBps" not in limits:
+        return ""
+    return (f" (512 MiB {limits['bandwidth_memory_GBps']:.1f}, weights-sized buffer "
+            f"{limits['bandwidth_weights_GBps']:.1f})")
+
+
 def load_results(saved: dict[str, Any]) -> list[ShapeResult]:
     """A saved run's results, its limits' model costs recomputed (older runs lack some)."""
     results = []
@@ -71,8 +80,9 @@ def render(meta: dict[str, Any], results: list[ShapeResult], extra: str = "") ->
               f"{meta['machine']['torch']}, {args['threads']} threads; {meta['utc']}; load before/after "
               f"{meta['load_before']} / {meta['load_after']}.\n\n")
     limits = "\n".join(
-        f"- {r.shape} {r.dtype}: {r.limits['bandwidth_GBps']:.1f} GB/s read -> batch-1 bound "
-        f"{r.limits['bound_tps_batch1']:.0f} tok/s; {r.limits['matmul_GFLOPs']:.0f} GFLOP/s matmul "
+        f"- {r.shape} {r.dtype}: {r.limits['bandwidth_GBps']:.1f} GB/s read{_reads(r.limits)} -> "
+        f"batch-1 bound {r.limits['bound_tps_batch1']:.0f} tok/s; "
+        f"{r.limits['matmul_GFLOPs']:.0f} GFLOP/s matmul "
         f"({_rates(r.limits)}) -> compute bound {r.limits['bound_tps_compute']:.0f} tok/s (decode alone); "
         f"runs of {r.prompt_tokens}-token prompts and {r.new_tokens} new tokens, prefill counted: "
         + ", ".join(f"batch {c} {r.bound_tps(c):.0f}" for c in sorted({x.concurrency for x in r.runs}))

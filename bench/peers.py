@@ -90,7 +90,8 @@ def _handle(request: tuple[Any, ...], peer: str, ckpt: Any, prompts: list[list[i
     if kind == "ready":  # answered once this process has built its model and prompts
         return True
     if kind == "limits":
-        return bench.measure_limits(bench.DTYPES[ckpt.dtype])
+        dtype = bench.DTYPES[ckpt.dtype]
+        return bench.measure_limits(dtype, bench.model_costs(ckpt.config, dtype)[0])
     conc, new, *extra = args
     if peer == "engine":
         cfg, params, name = extra if extra else ({}, None, "engine")
