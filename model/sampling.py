@@ -155,6 +155,26 @@ def typical_mask(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     return torch.where(remove & (mass < 1), float("-inf"), logits)
 
 
+NUMPY_ARGMAX_FROM = 4096  # logits per row from which row_max takes numpy's argmax
+
+
+def row_max(logits: torch.Tensor) -> tuple[list[float], torch.Tensor]:
+    """Each row's largest logit and the index of its first occurrence (N,), as torch's
+    `max(dim=-1)` gives them: a row holding a NaN gives NaN, at its first NaN; -inf rows give
+    -inf. Wide CPU float32 rows go to numpy's argmax (vectorised, no copy): 32 rows of GPT-2's
+    50,257 logits 110 us against torch's max 668 us, one row 9 against 87 (AMD Zen 4, session 17;
+    the 124M engine's 32-row step 1.025x, six alternating pairs). Narrow ones stay on torch's: at
+    65 logits both take ~6 us, and the 10.7M engine's batch-1 step measured 0.94x with numpy's
+    (twelve pairs). Every step's greedy pick and finiteness check come from here."""
+    wide = logits.dim() == 2 and logits.shape[-1] >= NUMPY_ARGMAX_FROM
+    if wide and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        rows = logits.detach().numpy()
+        best = rows.argmax(axis=-1)
+        return rows[np.arange(len(rows)), best].tolist(), torch.from_numpy(best)
+    top, best = logits.max(dim=-1)
+    return top.tolist(), best
+
+
 def sample_from_logits(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: row i takes the token where its cumulative probability passes
     uniform[i] (N,) in [0, 1). Zero-probability (masked) tokens are never chosen."""
@@ -291,7 +311,7 @@ def sample_tokens(
     """
     logits = apply_penalties(logits, batch, seen, counts)
     if batch.all_greedy:
-        return logits.argmax(dim=-1)
+        return row_max(logits)[1]
     vocab = logits.shape[-1]
 
     def worth_a_head(width: int) -> bool:  # a head is only cheaper well below the vocabulary
@@ -319,7 +339,7 @@ def sample_tokens(
         sampled[rest] = sample_from_logits(apply_filters(rest_logits, rows), rows.uniform)
     greedy = batch.greedy.nonzero().view(-1)
     if len(greedy):  # the argmax only for the rows that take it (a 50k-wide pass per row)
-        sampled[greedy] = logits[greedy].argmax(dim=-1)
+        sampled[greedy] = row_max(logits[greedy])[1]
     return sampled
 
 

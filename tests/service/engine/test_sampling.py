@@ -12,6 +12,7 @@ import torch
 from model.checkpoint import Checkpoint
 from model.sampling import (
     CANDIDATES,
+    NUMPY_ARGMAX_FROM,
     SamplingBatch,
     _Head,
     apply_additive_penalties,
@@ -20,6 +21,7 @@ from model.sampling import (
     candidate_width,
     min_p_mask,
     process_logits,
+    row_max,
     sample_from_logits,
     sample_tokens,
     seeded_uniform,
@@ -418,3 +420,25 @@ def test_a_batch_with_no_greedy_row_takes_the_short_path_to_the_same_tokens() ->
         for i in range(n):  # and what the row alone would draw
             alone = SamplingBatch(**kw).rows(torch.tensor([i]))  # type: ignore[arg-type]
             assert short[i] == sample_from_logits(apply_filters(logits[i : i + 1], alone), alone.uniform)
+
+
+def test_row_max_on_wide_rows_is_what_torch_max_gives() -> None:
+    # Rows of GPT-2's width go to numpy's argmax (row_max; narrower ones and other dtypes take
+    # torch's max itself): the same values and first indices, with ties, NaN (the first NaN's
+    # place), -inf and +inf rows, and over a strided view of the rows.
+    vocab = 50257
+    assert vocab >= NUMPY_ARGMAX_FROM
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(7, vocab, generator=g)
+    x[1, 3] = x[1, 9] = x[1].max() + 1  # a tie for the largest: the first index
+    x[2, 5], x[2, 7] = float("nan"), float("nan")
+    x[3] = NEG
+    x[4, 11] = float("inf")
+    x[5, vocab - 1] = 100.0  # the last index
+    for logits in (x, x[::2]):
+        top, idx = row_max(logits)
+        ref_top, ref_idx = logits.max(dim=-1)
+        assert idx.dtype == torch.long and torch.equal(idx, ref_idx)
+        got = torch.tensor(top)
+        assert torch.equal(got.isnan(), ref_top.isnan())
+        assert torch.equal(got.nan_to_num(0.0), ref_top.nan_to_num(0.0))
