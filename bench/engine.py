@@ -237,7 +237,8 @@ def measure_limits(dtype: torch.dtype, weight_bytes: float = 0.0) -> dict[str, f
 
     The bandwidth is the better of two reads: a 512 MiB buffer (memory), and a buffer the size of
     the model's weights read over and over (where they fit in the last-level cache, as the 10.7M
-    model's 21-42 MB do in a 32 MiB L3 at bf16, they are read from there). Until session 17 only
+    model's 21 MB of bf16 weights do in a 32 MiB L3, and its 43 MB of float32 ones in part, they
+    are read from there). Until session 17 only
     the first: the engine's batch-1 step of the 10.7M model then read its weights faster than that
     bound and the table said 105-149% of the limit."""
     memory = read_bandwidth(512 * 2**20, 5)

@@ -352,8 +352,9 @@ __attribute__((target("avx2"))) static void bf16_exact_avx2(const float *src, in
 }
 #endif
 
-/* src[0, n) -> dst in bfloat16 as float_to_bf16 rounds (the cache's stores; a prompt's were a
- * scalar loop that took 3% of a 512-token prefill at 10.7M). */
+/* src[0, n) -> dst in bfloat16 as float_to_bf16 rounds: the cache's stores, which had been a
+ * scalar loop (3% of the samples of a 1,024-token prefill at 10.7M; 10.7M bf16 decode steps of
+ * 32-64 rows 1.02-1.03x faster this way, two builds alternating). */
 static void bf16_exact(const Model *m, const float *src, int n, uint16_t *dst) {
     int i = 0;
 #ifdef NS_X86
