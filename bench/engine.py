@@ -238,9 +238,8 @@ def measure_limits(dtype: torch.dtype, weight_bytes: float = 0.0) -> dict[str, f
     The bandwidth is the better of two reads: a 512 MiB buffer (memory), and a buffer the size of
     the model's weights read over and over (where they fit in the last-level cache, as the 10.7M
     model's 21 MB of bf16 weights do in a 32 MiB L3, and its 43 MB of float32 ones in part, they
-    are read from there). Until session 17 only
-    the first: the engine's batch-1 step of the 10.7M model then read its weights faster than that
-    bound and the table said 105-149% of the limit."""
+    are read from there). Until session 17 only the first: the engine's batch-1 step of the 10.7M
+    model then read its weights faster than that bound and the table said 105-149% of the limit."""
     memory = read_bandwidth(512 * 2**20, 5)
     resident = read_bandwidth(int(weight_bytes), 20) if weight_bytes else 0.0
     rates = {str(d).removeprefix("torch."): _matmul_flops(d) for d in dict.fromkeys([dtype, torch.float32])}

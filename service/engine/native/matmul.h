@@ -151,35 +151,30 @@ static const panel_fn PANELS[2][MAX_R] = {PANEL_TABLE(f32), PANEL_TABLE(bf16)}; 
     STORE512(6) STORE512(7) STORE512(8) STORE512(9) STORE512(10) STORE512(11)
 /* feature j of a bfloat16 panel is lane panel_lane(j): j % 8 * 2 + j / 8 */
 #define ORDER512 const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-/* Rows N against P panels (wp, and wp2 for the second), weights float32 (BF 0) or bfloat16. */
-#define PANEL512(NAME, N, NP, B)                                                                           \
-    __attribute__((target("avx512f"))) static void NAME(const void *wp, const void *wp2, int in,          \
-                                                        const void *xv, float *sums) {                    \
-        enum { R = N, P = NP, BF = B };                                                                    \
-        const float *x = xv;                                                                               \
-        ORDER512                                                                                           \
-        ACCUMULATORS24                                                                                     \
-        (void)order, (void)wp2;                                                                            \
-        for (int k = 0; k < in; k++) {                                                                     \
-            KSTEP512                                                                                       \
-        }                                                                                                  \
-        STORES512                                                                                          \
-    }
 /* for (i = 0; i < n; i++) STEP, asking for line i of pf into L2 with each of the first `lines`
  * steps: two loops, so that the steps past them carry no test (a first version with one loop and a
- * test per step cost the 512-token prefill 1-1.5%). */
+ * test per step cost the 512-token prefill 1-1.5%); and with no lines (a single row block) the
+ * plain loop alone, which the compiler lays out as it did the kernels without prefetches (run
+ * through the two loops instead, float32 at 4 / 8 rows came out 0.95x / 0.97x). */
 #define AHEAD_LOOP(i, n, STEP)                                                                             \
-    int i = 0;                                                                                             \
-    for (const int ahead_ = lines < (n) ? lines : (n); i < ahead_; i++) {                                 \
-        prefetch_line_l2(pf + (size_t)i * 64);                                                             \
-        STEP                                                                                               \
-    }                                                                                                      \
-    for (; i < (n); i++) {                                                                                 \
-        STEP                                                                                               \
+    if (lines <= 0) {                                                                                      \
+        for (int i = 0; i < (n); i++) {                                                                    \
+            STEP                                                                                           \
+        }                                                                                                  \
+    } else {                                                                                               \
+        int i = 0;                                                                                         \
+        for (const int ahead_ = lines < (n) ? lines : (n); i < ahead_; i++) {                             \
+            prefetch_line_l2(pf + (size_t)i * 64);                                                         \
+            STEP                                                                                           \
+        }                                                                                                  \
+        for (; i < (n); i++) {                                                                             \
+            STEP                                                                                           \
+        }                                                                                                  \
     }
-/* The same, and meanwhile lines [0, lines) of pf (a share of the next panel pair, see gemv_pairs)
- * into L2, one per input. */
-#define PANEL512_AHEAD(NAME, N, NP, B)                                                                     \
+/* Rows N against P panels (wp, and wp2 for the second), weights float32 (BF 0) or bfloat16; and
+ * meanwhile lines [0, lines) of pf (a share of the next panel pair, see gemv_pairs) into L2, one
+ * per input. */
+#define PANEL512(NAME, N, NP, B)                                                                           \
     __attribute__((target("avx512f"))) static void NAME(const void *wp, const void *wp2, int in,          \
                                                         const void *xv, float *sums, const char *pf, int lines) { \
         enum { R = N, P = NP, BF = B };                                                                    \
@@ -190,39 +185,30 @@ static const panel_fn PANELS[2][MAX_R] = {PANEL_TABLE(f32), PANEL_TABLE(bf16)}; 
         AHEAD_LOOP(k, in, KSTEP512)                                                                        \
         STORES512                                                                                          \
     }
-#define PANEL512_KERNELS(K, S, T, NP, B)                                                                   \
-    K(p512##S##_##NP##_1_##T, 1, NP, B) K(p512##S##_##NP##_2_##T, 2, NP, B)                               \
-    K(p512##S##_##NP##_3_##T, 3, NP, B) K(p512##S##_##NP##_4_##T, 4, NP, B)                               \
-    K(p512##S##_##NP##_5_##T, 5, NP, B) K(p512##S##_##NP##_6_##T, 6, NP, B)                               \
-    K(p512##S##_##NP##_7_##T, 7, NP, B) K(p512##S##_##NP##_8_##T, 8, NP, B)                               \
-    K(p512##S##_##NP##_9_##T, 9, NP, B) K(p512##S##_##NP##_10_##T, 10, NP, B)                             \
-    K(p512##S##_##NP##_11_##T, 11, NP, B) K(p512##S##_##NP##_12_##T, 12, NP, B)
-#define PANEL512_TABLE(S, T, NP)                                                                           \
-    {p512##S##_##NP##_1_##T, p512##S##_##NP##_2_##T, p512##S##_##NP##_3_##T, p512##S##_##NP##_4_##T,      \
-     p512##S##_##NP##_5_##T, p512##S##_##NP##_6_##T, p512##S##_##NP##_7_##T, p512##S##_##NP##_8_##T,      \
-     p512##S##_##NP##_9_##T, p512##S##_##NP##_10_##T, p512##S##_##NP##_11_##T, p512##S##_##NP##_12_##T}
-PANEL512_KERNELS(PANEL512, , f32, 1, 0)
-PANEL512_KERNELS(PANEL512, , f32, 2, 0)
-PANEL512_KERNELS(PANEL512, , bf16, 1, 1)
-PANEL512_KERNELS(PANEL512, , bf16, 2, 1)
-PANEL512_KERNELS(PANEL512_AHEAD, _ahead, f32, 1, 0)
-PANEL512_KERNELS(PANEL512_AHEAD, _ahead, f32, 2, 0)
-PANEL512_KERNELS(PANEL512_AHEAD, _ahead, bf16, 1, 1)
-PANEL512_KERNELS(PANEL512_AHEAD, _ahead, bf16, 2, 1)
+#define PANEL512_KERNELS(T, NP, B)                                                                         \
+    PANEL512(p512_##NP##_1_##T, 1, NP, B) PANEL512(p512_##NP##_2_##T, 2, NP, B)                           \
+    PANEL512(p512_##NP##_3_##T, 3, NP, B) PANEL512(p512_##NP##_4_##T, 4, NP, B)                           \
+    PANEL512(p512_##NP##_5_##T, 5, NP, B) PANEL512(p512_##NP##_6_##T, 6, NP, B)                           \
+    PANEL512(p512_##NP##_7_##T, 7, NP, B) PANEL512(p512_##NP##_8_##T, 8, NP, B)                           \
+    PANEL512(p512_##NP##_9_##T, 9, NP, B) PANEL512(p512_##NP##_10_##T, 10, NP, B)                         \
+    PANEL512(p512_##NP##_11_##T, 11, NP, B) PANEL512(p512_##NP##_12_##T, 12, NP, B)
+#define PANEL512_TABLE(T, NP)                                                                              \
+    {p512_##NP##_1_##T, p512_##NP##_2_##T, p512_##NP##_3_##T, p512_##NP##_4_##T, p512_##NP##_5_##T,        \
+     p512_##NP##_6_##T, p512_##NP##_7_##T, p512_##NP##_8_##T, p512_##NP##_9_##T, p512_##NP##_10_##T,       \
+     p512_##NP##_11_##T, p512_##NP##_12_##T}
+PANEL512_KERNELS(f32, 1, 0)
+PANEL512_KERNELS(f32, 2, 0)
+PANEL512_KERNELS(bf16, 1, 1)
+PANEL512_KERNELS(bf16, 2, 1)
 
 /* A kernel of the 512-bit families (these widening ones, and the tile levels' AVX512-BF16 ones):
  * one panel's weights wp (and wp2 for a second panel), k inputs per row, rows of x k elements
- * apart, sums out. */
-typedef void (*pair_fn)(const void *wp, const void *wp2, int k, const void *x, float *sums);
-/* The same, also asking for `lines` cache lines from pf into L2 as it goes (see gemv_pairs). */
-typedef void (*pair_ahead_fn)(const void *wp, const void *wp2, int k, const void *x, float *sums, const char *pf,
-                              int lines);
+ * apart, sums out; asking for `lines` cache lines from pf into L2 as it goes (see gemv_pairs). */
+typedef void (*pair_fn)(const void *wp, const void *wp2, int k, const void *x, float *sums, const char *pf,
+                        int lines);
 /* [F32 / BF16][panels - 1][rows - 1] */
 static const pair_fn PANELS512[2][2][MAX_R512] = {
-    {PANEL512_TABLE(, f32, 1), PANEL512_TABLE(, f32, 2)}, {PANEL512_TABLE(, bf16, 1), PANEL512_TABLE(, bf16, 2)}};
-static const pair_ahead_fn PANELS512_AHEAD[2][2][MAX_R512] = {
-    {PANEL512_TABLE(_ahead, f32, 1), PANEL512_TABLE(_ahead, f32, 2)},
-    {PANEL512_TABLE(_ahead, bf16, 1), PANEL512_TABLE(_ahead, bf16, 2)}};
+    {PANEL512_TABLE(f32, 1), PANEL512_TABLE(f32, 2)}, {PANEL512_TABLE(bf16, 1), PANEL512_TABLE(bf16, 2)}};
 #endif
 
 #ifdef NS_X86
@@ -244,18 +230,16 @@ __attribute__((target("avx512f"))) static void store512(const Linear *l, float *
 /* y[r][o] (+)= W[o] . x[r] + b[o] for o in [o0, o1) with a 512-bit family's kernels[panels - 1]
  * [rows - 1]: panels two at a time (one when a single panel is left), rows in blocks of MAX_R512.
  * w: the panels, panel_bytes each; x: the rows, x_bytes apart; k: the kernels' inputs per row.
- * `ahead`: the same kernels, prefetching as they go. Where there are two or more row blocks, each
- * block's kernel asks for its share of the next panel pair, one cache line per input (pair) into
- * L2, interleaved with its products (at the AVX512-BF16 rate the hardware prefetcher no longer hid
+ * Where there are two or more row blocks, each block's kernel asks for its share of the next panel
+ * pair, one cache line per input (pair) into L2, interleaved with its products (at the AVX512-BF16 rate the hardware prefetcher no longer hid
  * the weight stream: 124M bf16 16 rows 1.13x, 10.7M 64 rows 1.06x; batch 1 unchanged, one block).
  * Until session 16 each share was asked for at once before its block, into L1, by the tile level
  * only: a burst of up to a few hundred prefetches that waited for miss buffers while the kernel
  * could not start (perf on AMD Zen 4: a fifth of the kernel's samples on its weight loads); the
  * float32 kernels had lost 5-15% with that burst, and gain with the spread requests (10.7M float32
  * 16 / 32 rows 1.08-1.10x / 1.02-1.05x, 124M 1.05-1.06x / 1.03x). */
-static void gemv_pairs(const Linear *l, const pair_fn kernels[2][MAX_R512], const pair_ahead_fn ahead[2][MAX_R512],
-                       const char *w, size_t panel_bytes, int k, const char *x, size_t x_bytes, int rows, float *y,
-                       int ystride, int o0, int o1, int accumulate) {
+static void gemv_pairs(const Linear *l, const pair_fn kernels[2][MAX_R512], const char *w, size_t panel_bytes, int k,
+                       const char *x, size_t x_bytes, int rows, float *y, int ystride, int o0, int o1, int accumulate) {
     float sums[2 * MAX_R512 * PANEL];
     const int blocks = (rows + MAX_R512 - 1) / MAX_R512;
     const size_t share = (2 * panel_bytes / blocks + 63) / 64 * 64;
@@ -264,16 +248,14 @@ static void gemv_pairs(const Linear *l, const pair_fn kernels[2][MAX_R512], cons
         const int two = o + PANEL < o1;
         /* past o1 too: with each thread's own part of the phase (decode.c, claim), its next claim
          * is most often the chunk that follows (10.7M bf16 16-64 rows 1.02-1.07x, 124M 1.01-1.05x) */
-        const char *next = ahead && blocks > 1 && o + 2 * PANEL < l->out ? wp + 2 * panel_bytes : NULL;
+        const char *next = blocks > 1 && o + 2 * PANEL < l->out ? wp + 2 * panel_bytes : NULL;
         for (int r = 0, b = 0, n = 0; r < rows; r += n, b++) {
             n = block_rows(rows - r, MAX_R512, 4);
             float *yr = y + (size_t)r * ystride;
             const char *xr = x + (size_t)r * x_bytes;
             const size_t from = b * share, to = from + share < 2 * panel_bytes ? from + share : 2 * panel_bytes;
-            if (next && to > from)
-                ahead[two][n - 1](wp, wp + panel_bytes, k, xr, sums, next + from, (int)((to - from) / 64));
-            else
-                kernels[two][n - 1](wp, wp + panel_bytes, k, xr, sums);
+            const int lines = next && to > from ? (int)((to - from) / 64) : 0;
+            kernels[two][n - 1](wp, wp + panel_bytes, k, xr, sums, lines ? next + from : NULL, lines);
             store512(l, yr, ystride, n, o, sums, accumulate);
             if (two) store512(l, yr, ystride, n, o + PANEL, sums + MAX_R512 * PANEL, accumulate);
         }
@@ -283,7 +265,7 @@ static void gemv_pairs(const Linear *l, const pair_fn kernels[2][MAX_R512], cons
 /* gemv with the AVX-512 widening kernels. */
 static void gemv512(const Model *m, const Linear *l, const float *x, int rows, float *y, int ystride, int o0,
                     int o1, int accumulate) {
-    gemv_pairs(l, PANELS512[m->wt], PANELS512_AHEAD[m->wt], l->w, (size_t)l->in * PANEL * elem_size(m->wt), l->in, (const char *)x,
+    gemv_pairs(l, PANELS512[m->wt], l->w, (size_t)l->in * PANEL * elem_size(m->wt), l->in, (const char *)x,
                (size_t)l->in * sizeof(float), rows, y, ystride, o0, o1, accumulate);
 }
 #endif

@@ -165,22 +165,10 @@ static uint16_t *amx_tiles(const Linear *l) {
 #define STORESDP                                                                                           \
     STOREDP(0) STOREDP(1) STOREDP(2) STOREDP(3) STOREDP(4) STOREDP(5)                                       \
     STOREDP(6) STOREDP(7) STOREDP(8) STOREDP(9) STOREDP(10) STOREDP(11)
-/* Rows N (x: bf16, rows inp apart) against P tile panels (wp, and wp2 for the second). */
+/* Rows N (x: bf16, rows inp apart) against P tile panels (wp, and wp2 for the second); and
+ * meanwhile lines [0, lines) of pf (the next panel pair's share, see gemv_pairs) into L2, one per
+ * input pair (AHEAD_LOOP): spread over the products instead of asked for all at once. */
 #define PANELDP(NAME, N, NP)                                                                               \
-    __attribute__((target("avx512f,avx512bf16"))) static void NAME(const void *wpv, const void *wp2v,      \
-                                                                   int inp, const void *xv, float *sums) { \
-        enum { R = N, P = NP };                                                                            \
-        const uint16_t *wp = wpv, *wp2 = wp2v, *x = xv;                                                    \
-        ACCUMULATORS24                                                                                     \
-        (void)wp2;                                                                                         \
-        for (int kk = 0; kk < inp / 2; kk++) {                                                             \
-            KSTEPDP                                                                                        \
-        }                                                                                                  \
-        STORESDP                                                                                           \
-    }
-/* The same, and meanwhile lines [0, lines) of pf (the next panel pair's share, see gemv_pairs) into
- * L2, one per input pair (AHEAD_LOOP): spread over the products instead of asked for all at once. */
-#define PANELDP_AHEAD(NAME, N, NP)                                                                         \
     __attribute__((target("avx512f,avx512bf16"))) static void NAME(                                        \
         const void *wpv, const void *wp2v, int inp, const void *xv, float *sums, const char *pf, int lines) { \
         enum { R = N, P = NP };                                                                            \
@@ -190,29 +178,25 @@ static uint16_t *amx_tiles(const Linear *l) {
         AHEAD_LOOP(kk, inp / 2, KSTEPDP)                                                                   \
         STORESDP                                                                                           \
     }
-#define PANELDP_KERNELS(K, SUFFIX, NP)                                                                     \
-    K(pdp##SUFFIX##_##NP##_1, 1, NP) K(pdp##SUFFIX##_##NP##_2, 2, NP) K(pdp##SUFFIX##_##NP##_3, 3, NP)    \
-    K(pdp##SUFFIX##_##NP##_4, 4, NP) K(pdp##SUFFIX##_##NP##_5, 5, NP) K(pdp##SUFFIX##_##NP##_6, 6, NP)    \
-    K(pdp##SUFFIX##_##NP##_7, 7, NP) K(pdp##SUFFIX##_##NP##_8, 8, NP) K(pdp##SUFFIX##_##NP##_9, 9, NP)    \
-    K(pdp##SUFFIX##_##NP##_10, 10, NP) K(pdp##SUFFIX##_##NP##_11, 11, NP) K(pdp##SUFFIX##_##NP##_12, 12, NP)
-PANELDP_KERNELS(PANELDP, , 1)
-PANELDP_KERNELS(PANELDP, , 2)
-PANELDP_KERNELS(PANELDP_AHEAD, _ahead, 1)
-PANELDP_KERNELS(PANELDP_AHEAD, _ahead, 2)
+#define PANELDP_KERNELS(NP)                                                                                \
+    PANELDP(pdp_##NP##_1, 1, NP) PANELDP(pdp_##NP##_2, 2, NP) PANELDP(pdp_##NP##_3, 3, NP)                \
+    PANELDP(pdp_##NP##_4, 4, NP) PANELDP(pdp_##NP##_5, 5, NP) PANELDP(pdp_##NP##_6, 6, NP)                \
+    PANELDP(pdp_##NP##_7, 7, NP) PANELDP(pdp_##NP##_8, 8, NP) PANELDP(pdp_##NP##_9, 9, NP)                \
+    PANELDP(pdp_##NP##_10, 10, NP) PANELDP(pdp_##NP##_11, 11, NP) PANELDP(pdp_##NP##_12, 12, NP)
+PANELDP_KERNELS(1)
+PANELDP_KERNELS(2)
 
-#define PANELDP_TABLE(SUFFIX, NP)                                                                          \
-    {pdp##SUFFIX##_##NP##_1, pdp##SUFFIX##_##NP##_2, pdp##SUFFIX##_##NP##_3, pdp##SUFFIX##_##NP##_4,      \
-     pdp##SUFFIX##_##NP##_5, pdp##SUFFIX##_##NP##_6, pdp##SUFFIX##_##NP##_7, pdp##SUFFIX##_##NP##_8,      \
-     pdp##SUFFIX##_##NP##_9, pdp##SUFFIX##_##NP##_10, pdp##SUFFIX##_##NP##_11, pdp##SUFFIX##_##NP##_12}
-static const pair_fn PANELSDP[2][MAX_R512] = {PANELDP_TABLE(, 1), PANELDP_TABLE(, 2)}; /* [panels - 1][rows - 1] */
-static const pair_ahead_fn PANELSDP_AHEAD[2][MAX_R512] = {PANELDP_TABLE(_ahead, 1), PANELDP_TABLE(_ahead, 2)};
+#define PANELDP_TABLE(NP)                                                                                  \
+    {pdp_##NP##_1, pdp_##NP##_2, pdp_##NP##_3, pdp_##NP##_4, pdp_##NP##_5, pdp_##NP##_6,                  \
+     pdp_##NP##_7, pdp_##NP##_8, pdp_##NP##_9, pdp_##NP##_10, pdp_##NP##_11, pdp_##NP##_12}
+static const pair_fn PANELSDP[2][MAX_R512] = {PANELDP_TABLE(1), PANELDP_TABLE(2)}; /* [panels - 1][rows - 1] */
 
 /* gemv_amx's product with VDPBF16PS, on the 512-bit families' loop (gemv_pairs; tile rows of
  * inputs, the next panel pair prefetched). */
 static void gemv_dp(const Linear *l, const uint16_t *xb, int rows, float *y, int ystride, int o0, int o1,
                     int accumulate) {
     const int inp = ROUND32(l->in);
-    gemv_pairs(l, PANELSDP, PANELSDP_AHEAD, (const char *)l->tiles, (size_t)inp * PANEL * sizeof(uint16_t), inp,
-               (const char *)xb, (size_t)inp * sizeof(uint16_t), rows, y, ystride, o0, o1, accumulate);
+    gemv_pairs(l, PANELSDP, (const char *)l->tiles, (size_t)inp * PANEL * sizeof(uint16_t), inp, (const char *)xb,
+               (size_t)inp * sizeof(uint16_t), rows, y, ystride, o0, o1, accumulate);
 }
 #endif

@@ -219,8 +219,8 @@ def test_rows_in_several_blocks_get_their_bits_alone_on_wide_layers(
 ) -> None:
     # Wide enough that a thread's chunk of a layer holds two panel pairs or more, and more rows
     # than one kernel block (12 rows): on AVX-512 the kernels of every block then also prefetch
-    # the next pair (matmul.h PANEL512_AHEAD, tiles.h PANELDP_AHEAD), a second copy of each kernel
-    # that must give the same bits as the one a lone row runs.
+    # the next pair (matmul.h AHEAD_LOOP, in PANEL512 and tiles.h PANELDP), a second loop of each
+    # kernel that must give the same bits as the plain loop a lone row runs.
     wide = GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=4, n_embd=256)
     dtype = torch.float32 if kernels == "float32" else torch.bfloat16
     model = _model(wide).to(dtype)
