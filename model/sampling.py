@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from model.nucleus import mass_cut
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -76,33 +78,6 @@ def top_k_mask(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tenso
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def _numpy_sorts(values: torch.Tensor) -> bool:
-    """Whether numpy sorts these values (CPU float32/float64: no copy to get at them)."""
-    return values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64)
-
-
-def sorted_descending(values: torch.Tensor) -> torch.Tensor:
-    """Each row's values, largest first (values only: a sort's output does not depend on how it
-    sorts). On the CPU numpy sorts: torch's CPU sort took 50 ms for 32 rows of GPT-2's 50k logits
-    (1.6 ms a row, 2 threads), numpy's (x86-simd-sort's vectorised quicksort where the CPU has
-    AVX-512 or AVX2) 3.4 ms on one; top_p without top_k sorts every row of a flat distribution."""
-    if not _numpy_sorts(values):
-        return torch.sort(values, dim=-1, descending=True).values
-    ascending = np.sort(values.detach().numpy(), axis=-1)
-    return torch.from_numpy(np.ascontiguousarray(ascending[..., ::-1]))
-
-
-def sorted_ascending(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's values smallest first, and where each came from. On the CPU numpy's argsort:
-    16 ms for 32 rows of 50k scores, torch's sort 50 ms. Neither keeps ties in their first order
-    (torch's CPU sort is not stable either), so use it where tied values are treated alike."""
-    if not _numpy_sorts(values):
-        out = torch.sort(values, dim=-1)
-        return out.values, out.indices
-    order = torch.from_numpy(np.argsort(values.detach().numpy(), axis=-1))
-    return values.gather(-1, order), order
-
-
 def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor, tail: torch.Tensor | None = None) -> torch.Tensor:
     """Nucleus filtering, HF TopPLogitsWarper's rule: a token stays while the probability of the
     tokens more likely than it is below top_p (the most likely token always stays, and the one
@@ -116,16 +91,12 @@ def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor, tail: torch.Tensor | N
     mass above a tie is the mass above the first of them, however a sort orders them), so what
     stays is every token at least as likely as the last one the rule keeps. (HF sums in float32
     from the least likely token up: the same rule, with up to ~1e-6 of rounding at 50k tokens.)"""
-    sorted_logits = sorted_descending(logits)
     lse = logits.logsumexp(dim=-1, keepdim=True)
     if tail is not None:
         lse = torch.logaddexp(lse, tail)
-    mass = sorted_logits.to(torch.float64, copy=True)
-    mass.sub_(lse.double()).exp_().cumsum_(dim=-1)  # in place: no further (N, V) float64 buffers
-    # The first token always stays; token i + 1 stays while the mass of tokens 0..i is below
-    # top_p. The mass never decreases, so a binary search counts those tokens.
-    kept = 1 + torch.searchsorted(mass, top_p.to(mass)).clamp(max=logits.shape[-1] - 1)
-    last = sorted_logits.gather(-1, kept - 1)
+    probs = logits.to(torch.float64, copy=True).sub_(lse.double()).exp_()
+    # The first token always stays; the next ones while the mass above them is below top_p.
+    last = mass_cut(logits, probs, top_p, largest_first=True)
     # Rows with top_p == 1 stay untouched (rounding could otherwise drop ~0-probability tokens).
     last = torch.where(top_p < 1, last, float("-inf"))
     return logits.masked_fill(logits < last, float("-inf"))
@@ -145,14 +116,10 @@ def typical_mask(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     p = logp.exp()
     entropy = -(logp * p).nansum(dim=-1, keepdim=True)  # 0 * -inf = nan for masked tokens
     shifted = (-logp - entropy).abs()
-    # Tied scores stay or go together (remove compares scores), so their order does not matter.
-    sorted_scores, sorted_idx = sorted_ascending(shifted)
-    cum = logits.gather(-1, sorted_idx).softmax(dim=-1).cumsum(dim=-1)
-    last = (cum < mass).sum(dim=-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
-    remove = sorted_scores > sorted_scores.gather(-1, last)
-    remove[:, 0] = False
-    remove = remove.scatter(-1, sorted_idx, remove)
-    return torch.where(remove & (mass < 1), float("-inf"), logits)
+    # The tokens closest to the entropy first, until their mass reaches `mass`; tied scores
+    # stay or go together.
+    cut = mass_cut(shifted, logits.softmax(dim=-1).double(), mass, largest_first=False)
+    return torch.where((shifted > cut) & (mass < 1), float("-inf"), logits)
 
 
 NUMPY_ARGMAX_FROM = 4096  # logits per row from which row_max takes numpy's argmax
@@ -219,7 +186,6 @@ class SamplingBatch:
 
 
 CANDIDATES = 64  # the head of the vocabulary a nucleus (top_p, min_p) is first looked for in
-WIDEN = 16  # then in a head this many times wider, then in the whole vocabulary
 
 
 def candidate_width(
@@ -301,39 +267,33 @@ def sample_tokens(
     """One token per row (N,): greedy rows take the argmax, the others sample.
 
     With `batch.candidates` (candidate_width), the filters run on each row's K most likely tokens,
-    not the whole vocabulary (at GPT-2's 50k tokens a full sort for top_p alone took 69 ms for 32
-    rows). A row whose filtered support may reach past them (a flat distribution under top_p or
-    min_p) goes to the whole vocabulary, a top_p row after trying WIDEN times as many when its
-    head leaves that possible (_Head.may_fit). The candidates are put back in vocabulary order,
-    so inverse-CDF sampling picks the token the whole-vocabulary path would (masked tokens add
-    nothing to the CDF; up to float rounding at a boundary): a row's result does not depend on
-    the path its batch took.
+    not the whole vocabulary (32 rows of GPT-2's 50k tokens under top_p 0.95, peaked as a trained
+    model's: 4-7 ms instead of 11-12; AMD Zen 4, session 18). A row whose filtered support may
+    reach past them (a flat distribution under top_p or min_p) goes to the whole vocabulary.
+    (A second, 16 times wider head for the top_p rows that missed the first was dropped in
+    session 18: once top_p no longer sorted the whole vocabulary (model/nucleus.py), it cost more
+    than it saved at every spread measured, up to 13 ms at 32 rows.) The candidates are put back
+    in vocabulary order, so inverse-CDF sampling picks the token the whole-vocabulary path would
+    (masked tokens add nothing to the CDF; up to float rounding at a boundary): a row's result
+    does not depend on the path its batch took.
     """
     logits = apply_penalties(logits, batch, seen, counts)
     if batch.all_greedy:
         return row_max(logits)[1]
-    vocab = logits.shape[-1]
-
-    def worth_a_head(width: int) -> bool:  # a head is only cheaper well below the vocabulary
-        return width > 0 and width * 4 <= vocab
-
     width = batch.candidates
-    if batch.any_greedy is False and not worth_a_head(width):
+    use_head = 0 < width * 4 <= logits.shape[-1]  # a head is only cheaper well below the vocabulary
+    if batch.any_greedy is False and not use_head:
         # Every row samples from the whole vocabulary: what the general path below does for
         # such a batch, without its index bookkeeping (a handful of small ops, ~10% of the
         # sampling time of 32 rows over a 65-token vocabulary).
         return sample_from_logits(apply_filters(logits, batch), batch.uniform)
     sampled = torch.zeros(len(logits), dtype=torch.long, device=logits.device)
-    pending, whole = (~batch.greedy).nonzero().view(-1), []
-    while len(pending) and worth_a_head(width):
-        head = _Head(*_rows(logits, batch, pending), width)
+    rest = (~batch.greedy).nonzero().view(-1)
+    if len(rest) and use_head:
+        head = _Head(*_rows(logits, batch, rest), width)
         if head.fits.any():
-            sampled[pending[head.fits]] = head.sample(head.fits)
-        width *= WIDEN
-        hopeless = ~head.fits & ~head.may_fit(width)
-        whole.append(pending[hopeless])
-        pending = pending[~head.fits & ~hopeless]
-    rest = torch.cat([*whole, pending]).sort().values  # in row order, as _rows takes them
+            sampled[rest[head.fits]] = head.sample(head.fits)
+        rest = rest[~head.fits]
     if len(rest):
         rest_logits, rows = _rows(logits, batch, rest)
         sampled[rest] = sample_from_logits(apply_filters(rest_logits, rows), rows.uniform)
@@ -358,11 +318,9 @@ class _Head:
     candidate_width makes it so."""
 
     def __init__(self, logits: torch.Tensor, batch: SamplingBatch, width: int) -> None:
-        self.batch, self.width = batch, width
+        self.batch = batch
         self.values, self.ids = torch.topk(logits, width, dim=-1)  # (N, K), descending
         self.tail: torch.Tensor | None = None
-        self.mass: torch.Tensor | None = None  # top_p rows: the head's probability mass
-        self.last: torch.Tensor | None = None  # and its last token's probability
         fits = torch.zeros(len(logits), dtype=torch.bool, device=logits.device)
         temperature = _temperature(batch)
         if batch.top_k is not None:
@@ -378,26 +336,12 @@ class _Head:
             # is at least that of the candidates likelier than the last: at least top_p, it goes.
             above_last = (probs * (self.values > self.values[:, -1:])).sum(dim=-1, keepdim=True)
             fits |= ((batch.top_p < 1) & (above_last >= batch.top_p)).view(-1)
-            self.mass, self.last = probs.sum(dim=-1, keepdim=True), probs[:, -1:]
         if batch.min_p is not None:
             # min_p keeps tokens at least min_p times as likely as the most likely: if the last
             # candidate is not, no token past it is.
             ratio = ((self.values[:, -1:] - self.values[:, :1]) / temperature).exp()
             fits |= ((batch.min_p > 0) & (ratio < batch.min_p)).view(-1)
         self.fits = fits
-
-    def may_fit(self, wider: int) -> torch.Tensor:
-        """(N,) bool: whether a head of `wider` tokens might hold a row's support: only a top_p
-        row's might, unless its head would not reach top_p even if each further token were as
-        likely as its last. (A min_p row's whole-vocabulary filter is one softmax, no sort:
-        trying another head first cost more than it saved.)"""
-        b = self.batch
-        if b.top_p is None:
-            return torch.zeros_like(self.fits)
-        wide = b.top_p < 1
-        if self.mass is not None and self.last is not None:
-            wide &= self.mass + (wider - self.width) * self.last >= b.top_p
-        return wide.view(-1)
 
     def sample(self, which: torch.Tensor) -> torch.Tensor:
         """Tokens for rows `which` (a bool mask), each from its candidates."""

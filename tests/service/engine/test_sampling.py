@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from model.checkpoint import Checkpoint
+from model.nucleus import mass_cut, sorted_with_order
 from model.sampling import (
     CANDIDATES,
     NUMPY_ARGMAX_FROM,
@@ -25,8 +26,6 @@ from model.sampling import (
     sample_from_logits,
     sample_tokens,
     seeded_uniform,
-    sorted_ascending,
-    sorted_descending,
     top_k_mask,
     top_p_mask,
     typical_mask,
@@ -128,9 +127,9 @@ def test_top_p_min_p_typical_match_per_row() -> None:
     )
 
 
-def test_sorted_descending_gives_what_torch_sort_gives() -> None:
-    # On the CPU numpy sorts float32 and float64 rows (torch's sort was 15x slower at 50k
-    # logits); other dtypes take torch's. Values only: ties, -inf and signed zeros included.
+def test_sorted_with_order_gives_what_torch_sort_gives() -> None:
+    # On the CPU numpy's argsort orders float32 and float64 rows; other dtypes take torch's.
+    # Values only (ties may come in another order): ties, -inf and signed zeros included.
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 50304, generator=g) * 4
     x[0, ::7] = x[0, 3]
@@ -138,48 +137,73 @@ def test_sorted_descending_gives_what_torch_sort_gives() -> None:
     x[2] = x[2].round() * torch.where(torch.rand(50304, generator=g) < 0.5, -1.0, 1.0)  # 0.0 and -0.0
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         y = x.to(dtype)
-        out = sorted_descending(y)
-        assert out.dtype == dtype
-        assert torch.equal(out, torch.sort(y, dim=-1, descending=True).values)
+        for largest_first in (True, False):
+            values, order = sorted_with_order(y, largest_first)
+            assert values.dtype == dtype
+            assert torch.equal(values, torch.sort(y, dim=-1, descending=largest_first).values)
+            assert torch.equal(y.gather(-1, order), values)
 
 
-def test_top_p_at_gpt2_width_is_what_a_torch_sort_gives(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Flat rows (a random model's) keep ~95% of 50k tokens, so no candidates head holds them:
-    # the whole-vocabulary filter runs on numpy's sort; it must keep exactly what torch's does.
-    import model.sampling as sampling
-
+def nucleus_cases() -> list[torch.Tensor]:
+    """Rows wide enough for the bucket select, of every kind it has to get right."""
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(4, 50304, generator=g) * torch.tensor([[0.5], [1.0], [3.0], [8.0]])
-    x[1, 100:200] = x[1, 50]  # a tie across the boundary's neighbourhood
-    top_p = torch.tensor([[0.95], [0.9], [0.5], [1.0]])
-    fast = top_p_mask(x, top_p)
-    monkeypatch.setattr(sampling, "sorted_descending",
-                        lambda v: torch.sort(v, dim=-1, descending=True).values)
-    assert torch.equal(fast, top_p_mask(x, top_p))
-    kept = torch.isfinite(fast).sum(dim=-1).tolist()
-    assert 40000 < kept[0] < 50304 and kept[3] == 50304  # flat rows keep most, top_p 1 keeps all
+    scale = torch.tensor([[0.05], [0.5], [1.0], [3.0], [8.0], [20.0]])
+    flat_to_peaked = torch.randn(6, 50304, generator=g) * scale
+    ties = (torch.randn(6, 4096, generator=g) * scale).round()  # thousands of tied scores
+    masked = torch.randn(6, 5000, generator=g) * scale
+    masked[:, ::3] = NEG  # what top_k leaves
+    one_bucket = 1 + torch.rand(3, 8192, generator=g) * 1e-4  # every score in one bucket
+    zeros = torch.randn(2, 4096, generator=g).round() * 0.0  # 0.0 and -0.0 only
+    return [flat_to_peaked, ties, masked, one_bucket, zeros, flat_to_peaked[:3].double()]
 
 
-def test_typical_at_gpt2_width_is_what_a_torch_sort_gives(monkeypatch: pytest.MonkeyPatch) -> None:
-    # typical_p sorts every row by its distance from the entropy; numpy's argsort may order tied
-    # scores differently from torch's sort, and tied scores are kept or dropped together.
-    import model.sampling as sampling
+def test_the_bucket_select_cuts_where_a_sort_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rows of RADIX_FROM tokens or more find their cut by buckets, smaller ones by a sort; the
+    # same rows forced through the sort must give the same cut, both ways round and at targets
+    # from a sliver to the whole mass, and top_p and typical_p the same masks.
+    import model.nucleus as nucleus
 
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(3, 50304, generator=g) * torch.tensor([[0.5], [2.0], [6.0]])
-    x[1] = x[1].round()  # thousands of tied scores
-    mass = torch.tensor([[0.9], [0.5], [0.95]])
-    fast = typical_mask(x, mass)
-    values, order = sorted_ascending(x)
-    assert torch.equal(values, torch.sort(x, dim=-1).values)
-    assert torch.equal(x.gather(-1, order), values)
+    g = torch.Generator().manual_seed(6)
+    for x in nucleus_cases():
+        n = len(x)
+        probs = x.double().softmax(dim=-1)
+        targets = [torch.rand(n, 1, generator=g, dtype=torch.float64) for _ in range(3)]
+        targets += [torch.full((n, 1), t, dtype=torch.float64) for t in (1e-9, 0.999)]
+        top_p = torch.rand(n, 1, generator=g).clamp(min=0.05)
+        top_p[0] = 1.0
+        with monkeypatch.context() as m:
+            buckets = [mass_cut(x, probs, t, lf) for t in targets for lf in (True, False)]
+            masks = top_p_mask(x, top_p), typical_mask(x, top_p.to(x.dtype))
+            m.setattr(nucleus, "RADIX_FROM", 1 << 30)
+            sorts = [mass_cut(x, probs, t, lf) for t in targets for lf in (True, False)]
+            for by_buckets, by_sort in zip(buckets, sorts, strict=True):
+                assert torch.equal(by_buckets, by_sort)
+            assert torch.equal(masks[0], top_p_mask(x, top_p))
+            assert torch.equal(masks[1], typical_mask(x, top_p.to(x.dtype)))
+    kept = torch.isfinite(top_p_mask(nucleus_cases()[0], torch.tensor([[0.95]] * 6))).sum(dim=-1)
+    assert 40000 < kept[0] < 50304 and kept[-1] < 100  # a flat row keeps most, a peaked one few
 
-    def torch_sort(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = torch.sort(v, dim=-1)
-        return out.values, out.indices
 
-    monkeypatch.setattr(sampling, "sorted_ascending", torch_sort)
-    assert torch.equal(fast, typical_mask(x, mass))
+def test_a_mass_reaching_its_target_exactly_cuts_at_that_token() -> None:
+    # Eight tokens of probability 1/8 each (sums exact in any order), the rest 0: a target of
+    # k/8 is reached exactly at the k-th of them, which is the cut (not the next one).
+    x = torch.randn(2, 8192, generator=torch.Generator().manual_seed(9)) * 4
+    probs = torch.zeros(2, 8192, dtype=torch.float64)
+    picked = x.topk(8, dim=-1).indices
+    probs.scatter_(-1, picked, 0.125)
+    descending = x.gather(-1, picked)
+    for k in range(1, 9):
+        target = torch.full((2, 1), k / 8, dtype=torch.float64)
+        assert torch.equal(mass_cut(x, probs, target, largest_first=True), descending[:, k - 1 : k])
+
+
+def test_a_row_whose_mass_never_reaches_the_target_keeps_every_token() -> None:
+    # Rounding can leave a row's total a hair below top_p: the cut is then the last token.
+    x = torch.randn(2, 8192, generator=torch.Generator().manual_seed(8))
+    probs = x.double().softmax(dim=-1) * 0.5
+    target = torch.full((2, 1), 0.9, dtype=torch.float64)
+    assert torch.equal(mass_cut(x, probs, target, largest_first=True), x.amin(dim=-1, keepdim=True))
+    assert torch.equal(mass_cut(x, probs, target, largest_first=False), x.amax(dim=-1, keepdim=True))
 
 
 def test_penalties_match_per_row() -> None:
@@ -244,8 +268,8 @@ def test_top_k_candidates_path_picks_what_the_full_vocabulary_path_picks() -> No
 
 def test_nucleus_candidates_pick_what_the_whole_vocabulary_picks() -> None:
     """top_p and min_p without top_k: a row whose nucleus fits in the first 64 candidates is
-    sampled there, one that needs more in 1024, a flat one over everything; every row picks what
-    the whole-vocabulary path picks, greedy rows and top_k rows beside them included."""
+    sampled there, one that needs more over everything; every row picks what the
+    whole-vocabulary path picks, greedy rows and top_k rows beside them included."""
     n, v = 120, 4096
     g = torch.Generator().manual_seed(5)
     scale = torch.tensor([[0.2, 1.5, 3.0, 8.0][i % 4] for i in range(n)]).view(-1, 1)  # flat .. peaked
@@ -267,12 +291,10 @@ def test_nucleus_candidates_pick_what_the_whole_vocabulary_picks() -> None:
     fast = sample_tokens(logits, batch)
     full = sample_tokens(logits, SamplingBatch(**{**vars(batch), "candidates": 0}))
     assert torch.equal(fast, full)
-    # Each way was taken: rows fitting in 64 candidates, in 1024 but not 64, and in neither.
-    fits64, fits1024 = (_Head(logits, batch, w).fits for w in (64, 1024))
-    sampled = ~batch.greedy
-    assert (fits64 & sampled).sum() > 10
-    assert (~fits64 & fits1024 & sampled).sum() > 3
-    assert (~fits1024 & sampled).sum() > 3
+    # Each way was taken: rows fitting in 64 candidates and rows that do not.
+    fits, sampled = _Head(logits, batch, CANDIDATES).fits, ~batch.greedy
+    assert (fits & sampled).sum() > 10
+    assert (~fits & sampled).sum() > 10
 
 
 def test_top_p_keeps_tied_tokens_together_across_the_candidates_edge() -> None:
@@ -377,24 +399,25 @@ async def test_the_runner_flags_rows_with_no_usable_distribution(
 
 
 def test_rows_sent_to_the_whole_vocabulary_keep_their_own_draws() -> None:
-    # No greedy row; flat rows are given up on after 64 candidates (no head of 1024 could hold
-    # their nucleus), "shelf" rows (64 likely tokens, then a long plateau) try 1024 and miss: every
-    # row then takes the whole vocabulary, reached in an order that is not the rows' own, and each
-    # must still get the token its own logits and uniform number give.
-    v, n = 4096, 8
-    flat, shelf = torch.zeros(v), torch.full((v,), math.log(0.037))
+    # No greedy row; peaked rows are sampled from their 64 candidates, flat and "shelf" rows (64
+    # likely tokens, then a long plateau) miss them and take the whole vocabulary as a subset of
+    # the batch: each row must still get the token its own logits and uniform number give.
+    v, n = 4096, 9
+    flat, shelf, peaked = torch.zeros(v), torch.full((v,), math.log(0.037)), torch.full((v,), -20.0)
     shelf[:64] = 0.0
-    logits = torch.stack([shelf if i % 2 == 0 else flat for i in range(n)])
+    peaked[100:110] = 0.0
+    logits = torch.stack([(shelf, flat, peaked)[i % 3] for i in range(n)])
     batch = SamplingBatch(
         temperature=col([1.0] * n), greedy=torch.zeros(n, dtype=torch.bool),
         uniform=torch.tensor([seeded_uniform(9, i) for i in range(n)], dtype=torch.float64),
         top_p=col([0.9] * n), candidates=candidate_width(v, [v] * n, [0.9] * n, [0.0] * n, typical=False),
     )
-    head = _Head(logits, batch, CANDIDATES)
-    assert not head.fits.any() and head.may_fit(CANDIDATES * 16).tolist() == [i % 2 == 0 for i in range(n)]
-    assert not _Head(logits, batch, CANDIDATES * 16).fits.any()
+    assert _Head(logits, batch, CANDIDATES).fits.tolist() == [i % 3 == 2 for i in range(n)]
     fast = sample_tokens(logits, batch)
     assert torch.equal(fast, sample_tokens(logits, SamplingBatch(**{**vars(batch), "candidates": 0})))
+    alone = [sample_tokens(logits[i : i + 1], batch.rows(torch.tensor([i]))).item() for i in range(n)]
+    assert fast.tolist() == alone
+    assert len(set(fast.tolist())) > 5
 
 
 def test_a_batch_with_no_greedy_row_takes_the_short_path_to_the_same_tokens() -> None:
