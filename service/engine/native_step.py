@@ -177,6 +177,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.ns_free.argtypes = [ctypes.c_void_p]
     lib.ns_set_isa.restype = ctypes.c_int
     lib.ns_set_isa.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.ns_sample.restype = ctypes.c_int
+    lib.ns_sample.argtypes = [ptr, num, num, ptr, ptr, ptr, ptr, ptr, num]
     for name, args in (("ns_tiles_only", [ctypes.c_void_p]), ("ns_tiles_possible", [ctypes.c_void_p]),
                        ("ns_tile_linear", [ctypes.c_void_p, ctypes.c_int])):
         getattr(lib, name).restype = ctypes.c_int
@@ -297,6 +299,27 @@ class NativeStep:
         threads = max(1, min(torch.get_num_threads(), self.max_threads))
         self._lib.ns_step(self._handle, rows, tok, pos, slot, len(out), sel, logits.data_ptr(), threads)
         return logits
+
+    def sample(
+        self, logits: torch.Tensor, temperature: list[float], top_p: list[float], uniform: list[float],
+        out: torch.Tensor,
+    ) -> None:
+        """Draws out[r] (int64) for each row r of `logits` (N, V), float32 and contiguous on the
+        CPU, whose temperature is above 0: temperature, top_p (1: off), then inverse-CDF sampling
+        with uniform[r], the rule of model/sampling.py's whole-vocabulary path (native/sampler.h
+        says what may differ); the other rows' out is left as it is."""
+        n, v = logits.shape
+        if not (logits.dtype == torch.float32 and logits.is_contiguous() and out.dtype == torch.int64
+                and out.is_contiguous() and len(out) == len(temperature) == len(top_p) == len(uniform) == n):
+            raise ValueError("native sample: (N, V) float32 logits; N temperatures, top_p, uniforms, outs")
+        t = torch.tensor(temperature, dtype=torch.float32)
+        p = torch.tensor(top_p, dtype=torch.float64)
+        u = torch.tensor(uniform, dtype=torch.float64)
+        # Rows are dealt to threads whole: below ~64k logits a second thread's wake-up costs more.
+        threads = max(1, min(torch.get_num_threads(), self.max_threads)) if n * v >= 1 << 16 else 1
+        args = (logits.data_ptr(), t.data_ptr(), p.data_ptr(), u.data_ptr(), out.data_ptr())
+        if self._lib.ns_sample(self._handle, n, v, *args, threads):
+            raise MemoryError("native sample: no scratch memory")
 
     def __del__(self) -> None:
         handle, self._handle = getattr(self, "_handle", None), None

@@ -252,15 +252,10 @@ class ModelRunner:
         else:
             if not all(finite):  # rows without a distribution sample from zeros (then flagged)
                 logits = torch.where(torch.tensor(finite, device=logits.device).view(-1, 1), logits, 0.0)
-            batch = self._batch(reqs)
-            slots = torch.tensor([r.slot for r in reqs], device=self.device)
-            penal = batch.repetition_penalty is not None or batch.frequency_penalty is not None
-            tokens = sample_tokens(
-                logits, batch,
-                seen=self.seen.index_select(0, slots) if penal else None,
-                counts=self.counts.index_select(0, slots) if penal else None,
-            )
-            self._record(reqs, tokens)
+            if self._samples_natively(reqs, logits):
+                tokens = self._sample_natively(reqs, logits, greedy)
+            else:
+                tokens = self._sample(reqs, logits)
         top_n = max(r.params.top_n_tokens for r in reqs)
         want_lp = top_n > 0 or any(r.params.logprobs for r in reqs)
         lp = top_v = top_i = None
@@ -274,6 +269,47 @@ class ModelRunner:
             top_logprobs=top_v.tolist() if top_v is not None else None,
             top_ids=top_i.tolist() if top_i is not None else None,
         )
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """model/sampling.py's sample_tokens, penalties and their bookkeeping included."""
+        batch = self._batch(reqs)
+        slots = torch.tensor([r.slot for r in reqs], device=self.device)
+        penal = batch.repetition_penalty is not None or batch.frequency_penalty is not None
+        tokens = sample_tokens(
+            logits, batch,
+            seen=self.seen.index_select(0, slots) if penal else None,
+            counts=self.counts.index_select(0, slots) if penal else None,
+        )
+        self._record(reqs, tokens)
+        return tokens
+
+    def _samples_natively(self, reqs: list[Request], logits: torch.Tensor) -> bool:
+        """Whether the native step's sampler takes this batch: every row greedy or sampled with
+        temperature and top_p only (no top_k below the vocabulary, min_p, typical_p or penalty),
+        on CPU float32 logits."""
+        if self.native_step is None or logits.dtype != torch.float32 or not logits.is_contiguous():
+            return False
+        return all(
+            (p.top_k is None or p.top_k >= self.vocab) and not p.min_p
+            and (p.typical_p is None or p.typical_p >= 1) and not _uses_penalties(r)
+            for r in reqs for p in (r.params,)
+        )
+
+    def _sample_natively(
+        self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor
+    ) -> torch.Tensor:
+        """Greedy rows keep their argmax; the others are drawn by native/sampler.h, the rule of
+        sample_tokens' whole-vocabulary path in one call (no torch op, no GIL hand-off, per row)."""
+        assert self.native_step is not None
+        tokens = greedy.clone()
+        self.native_step.sample(
+            logits,
+            [r.params.temperature for r in reqs],
+            [r.params.top_p if r.params.top_p is not None else 1.0 for r in reqs],
+            [seeded_uniform(r.seed, len(r.generated)) for r in reqs],
+            tokens,
+        )
+        return tokens
 
     def _batch(self, reqs: list[Request]) -> SamplingBatch:
         dev = self.device

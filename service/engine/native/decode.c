@@ -84,6 +84,8 @@ typedef struct {
                  * block holds it; see attention_blocks) */
     int *next; /* per phase and thread's part of a step, chunks claimed so far (see claim) */
     unsigned char *seen; /* per slot, zero between steps (see own_slots) */
+    char *smp;           /* sampler.h's scratch, per thread, grown to the widest rows asked for */
+    size_t smp_bytes;
     parallel_fn parallel;
     barrier_fn barrier;
     int_fn thread_num, num_threads;
@@ -262,6 +264,8 @@ static void gemv_claimed(const Job *job, int phase, const Linear *l, const float
 }
 
 #include "attention.h"
+
+#include "sampler.h"
 
 /* ---------------------------------------------------------------- the step, per thread */
 
@@ -581,6 +585,30 @@ void ns_step(void *model, int rows, const int64_t *tok, const int64_t *pos, cons
         m->parallel(step_thread, &job, (unsigned)threads, 0);
 }
 
+/* A token for each of `rows` rows of `vocab` float32 logits whose temperature is above 0, drawn as
+ * sampler.h says with its uniform number and top_p (1: off); out[r] of the other rows is left as
+ * it is. On `threads` threads, rows dealt out in turn. 0, or -1 when no scratch could be had. */
+int ns_sample(void *model, int rows, int vocab, const float *logits, const float *temperature, const double *top_p,
+              const double *uniform, int64_t *out, int threads) {
+    Model *m = model;
+    if (threads > rows) threads = rows;
+    if (threads < 1) threads = 1;
+    const size_t each = sample_scratch_each(vocab), need = each * (size_t)threads;
+    if (need > m->smp_bytes) {
+        free(m->smp);
+        m->smp = aligned_alloc(64, need);
+        m->smp_bytes = m->smp ? need : 0;
+        if (!m->smp) return -1;
+    }
+    SampleJob job = {m, logits, rows, vocab, !m->parallel || threads <= 1, temperature, top_p, uniform, out, m->smp,
+                     each};
+    if (job.serial)
+        sample_thread(&job);
+    else
+        m->parallel(sample_thread, &job, (unsigned)threads, 0);
+    return 0;
+}
+
 void ns_free(void *model) {
     Model *m = model;
     if (!m) return;
@@ -588,6 +616,6 @@ void ns_free(void *model) {
         for (int i = 0; i < n_linears(m); i++) free(linear_at(m, i)->tiles);
     free(m->xb), free(m->hb), free(m->yb), free(m->fb);
     free(m->layers), free(m->x), free(m->qkv), free(m->y), free(m->f), free(m->h), free(m->hn), free(m->att), free(m->block), free(m->next);
-    free(m->seen);
+    free(m->seen), free(m->smp);
     free(m);
 }

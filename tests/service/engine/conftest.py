@@ -14,8 +14,9 @@ from model.gpt import GPT
 from model.tokenizer import CharTokenizer
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
+from service.engine.native_step import library_path
 from service.engine.types import SamplingParams, TokenEvent
-from tests.conftest import TINY_VOCAB_TEXT
+from tests.conftest import IN_CI, TINY_VOCAB_TEXT
 
 
 def make_lively_checkpoint(path: Path, *, block_size: int = 32, seed: int = 0, scale: float = 6.0) -> Path:
@@ -64,3 +65,13 @@ async def collect(engine: Engine, prompt: str | list[int], **params) -> list[Tok
 
 def token_ids(events: list[TokenEvent]) -> list[int]:
     return [e.token_id for e in events if e.token_id is not None]
+
+
+@pytest.fixture(scope="session")
+def native_library() -> None:
+    """Skip (fail in CI) a test of the native library where it is not built."""
+    if library_path() is None:
+        message = "service/engine/native/decode.c is not built (pip install -e . builds it)"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)

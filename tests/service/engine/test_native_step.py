@@ -21,9 +21,8 @@ from model.gpt import GPT
 from service.engine.config import TILE_ISAS
 from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
-from service.engine.native_step import NativeStep, library_path, omp_entry_points
+from service.engine.native_step import NativeStep, omp_entry_points
 from service.engine.packed_linear import PackedLinear
-from tests.conftest import IN_CI
 from tests.service.engine.conftest import EngineFactory, collect, make_lively_checkpoint, token_ids
 
 # Widths that are not multiples of the kernels' vector and block sizes (40 features, heads of 10,
@@ -34,13 +33,7 @@ SHAPES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _built() -> None:
-    if library_path() is None:
-        message = "service/engine/native/decode.c is not built (pip install -e . builds it)"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
+pytestmark = pytest.mark.usefixtures("native_library")
 
 
 def _model(cfg: GPTConfig) -> GPT:

@@ -1,0 +1,139 @@
+"""native/sampler.h draws what model/sampling.py's whole-vocabulary path draws (temperature,
+top_p, inverse-CDF sampling), and the runner hands it exactly the batches it can take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.checkpoint import Checkpoint
+from model.config import GPTConfig
+from model.gpt import GPT
+from model.sampling import SamplingBatch, sample_tokens
+from service.engine.kv_slots import SpanKVCache
+from service.engine.native_step import NativeStep
+from service.engine.runner import ModelRunner
+from tests.service.engine.conftest import EngineFactory, collect, token_ids
+
+pytestmark = pytest.mark.usefixtures("native_library")
+
+
+@pytest.fixture(scope="module", params=["best", "c"])
+def native(request: pytest.FixtureRequest, native_library: None) -> NativeStep:
+    """The sampler at the best level this CPU has (AVX2's exp), and in plain C (expf)."""
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    model = GPT(cfg).eval()
+    cache = SpanKVCache(cfg.n_layer, 2, cfg.n_head, cfg.block_size, cfg.head_dim, torch.float32, "cpu")
+    step = NativeStep(model, cache, max_threads=2)
+    if request.param == "c":
+        assert step.use_isa("c") == "c"
+    return step
+
+
+def torch_draws(
+    logits: torch.Tensor, temps: list[float], top_p: list[float], uniform: list[float]
+) -> torch.Tensor:
+    def col(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32).view(-1, 1)
+
+    batch = SamplingBatch(
+        temperature=col(temps), greedy=torch.tensor([t == 0 for t in temps]),
+        uniform=torch.tensor(uniform, dtype=torch.float64), top_p=col(top_p), any_greedy=0 in temps,
+    )
+    return sample_tokens(logits, batch)
+
+
+def cases() -> list[torch.Tensor]:
+    """Rows from flat to peaked at widths on both sides of the narrow-row sort (1,024) and of
+    the vector width, with tied scores (both zeros among them) and masked tokens."""
+    g = torch.Generator().manual_seed(11)
+    scale = torch.tensor([[0.05], [0.5], [1.0], [2.0], [3.0], [5.0], [8.0], [20.0]])
+    out = []
+    for width in (7, 65, 97, 1024, 1025, 4096, 50257):
+        x = torch.randn(8, width, generator=g) * scale
+        tied = x.round()  # ties, and 0.0 beside -0.0
+        masked = x.clone()
+        masked[:, ::3] = float("-inf")  # what a padded vocabulary leaves
+        out += [x, tied, masked]
+    # Wide rows whose cut falls among zeros of both signs: equal scores, different bits.
+    zeros = torch.zeros(8, 4096)
+    zeros[:, ::2] = -0.0
+    zeros[4:, :100] = 1.0
+    return [*out, zeros]
+
+
+def test_the_native_sampler_draws_what_sample_tokens_draws(native: NativeStep) -> None:
+    # Every row of every case, at temperatures around 1, top_p from a sliver to off, and
+    # uniform numbers including 0 and the largest below 1; greedy rows are left as they were.
+    # The native exp is float32 (the torch path's top_p mass float64): a draw could differ only
+    # where a row's mass or uniform number lands within ~1e-6 of a boundary; none of these do.
+    g = torch.Generator().manual_seed(12)
+    top_ps = [0.3, 0.9, 0.5, 0.95, 1e-6, 0.99, 1.0, 0.7]
+    drawn = 0
+    for i, x in enumerate(cases()):
+        n = len(x)
+        temps = [0.0 if (r + i) % 5 == 0 else 0.4 + (r % 4) * 0.5 for r in range(n)]
+        top_p = [top_ps[(r + i) % len(top_ps)] for r in range(n)]
+        uniform = torch.rand(n, generator=g, dtype=torch.float64).tolist()
+        uniform[i % n], uniform[(i + 1) % n] = 0.0, 1.0 - 2.0**-53
+        out = torch.full((n,), -1, dtype=torch.int64)
+        native.sample(x.contiguous(), temps, top_p, uniform, out)
+        expected = torch_draws(x, temps, top_p, uniform)
+        sampled = torch.tensor([t > 0 for t in temps])
+        assert torch.equal(out[sampled], expected[sampled]), f"case {i}, width {x.shape[-1]}"
+        assert (out[~sampled] == -1).all()
+        drawn += int(sampled.sum())
+    assert drawn > 120  # 22 cases x 8 rows, a fifth of them greedy
+
+
+def test_the_native_sampler_follows_the_distribution(native: NativeStep) -> None:
+    # 20,000 draws of one row: each token's share is its probability under temperature and top_p
+    # (the two likeliest tokens hold 0.75 of the mass at temperature 0.5; top_p 0.7 keeps them only).
+    logits = torch.tensor([[2.0, 1.5, 0.0, -1.0, 0.5, float("-inf")]]).repeat(20000, 1)
+    uniform = torch.rand(20000, generator=torch.Generator().manual_seed(13), dtype=torch.float64).tolist()
+    out = torch.zeros(20000, dtype=torch.int64)
+    native.sample(logits, [0.5] * 20000, [0.7] * 20000, uniform, out)
+    counts = torch.bincount(out, minlength=6).double() / 20000
+    p = torch.softmax(torch.tensor([2.0, 1.5]) / 0.5, dim=-1).double()
+    assert counts[2:].sum() == 0
+    assert torch.allclose(counts[:2], p, atol=0.01)
+
+
+async def test_the_runner_samples_natively_only_what_the_native_sampler_does(
+    make_engine: EngineFactory,
+) -> None:
+    runner: ModelRunner = make_engine().runner
+    assert runner.native_step is not None
+    logits = torch.zeros(2, runner.vocab)
+
+    class Req:
+        def __init__(self, **params: float) -> None:
+            from service.engine.types import SamplingParams
+
+            self.params = SamplingParams(**params)  # type: ignore[arg-type]
+
+    def native(*reqs: Req) -> bool:
+        return runner._samples_natively(list(reqs), logits)  # type: ignore[arg-type]
+
+    assert native(Req(temperature=0.7), Req(temperature=0.0))
+    assert native(Req(temperature=1.0, top_p=0.9), Req(temperature=1.0, top_k=runner.vocab))
+    for other in ({"top_k": 5}, {"min_p": 0.1}, {"typical_p": 0.9}, {"repetition_penalty": 1.2},
+                  {"frequency_penalty": 0.5}, {"presence_penalty": 0.5}):
+        assert not native(Req(temperature=1.0), Req(temperature=1.0, **other)), other
+    assert not runner._samples_natively([Req(temperature=1.0)], logits.double())  # type: ignore[list-item]
+
+
+async def test_an_engine_generates_the_same_tokens_with_either_sampler(
+    make_engine: EngineFactory, lively: Checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    params = dict(max_new_tokens=40, temperature=1.3, top_p=0.9, stop_on_eos=False)
+    prompts = ["Hello there", "abc", "q r s", "Z"]
+    engine = make_engine(max_seqs=4)
+
+    async def run() -> list[list[int]]:
+        return [token_ids(await collect(engine, p, seed=i, **params)) for i, p in enumerate(prompts)]
+
+    native = await run()
+    monkeypatch.setattr(ModelRunner, "_samples_natively", lambda *_: False)
+    assert await run() == native
+    assert len({t for tokens in native for t in tokens}) > 10  # really sampled
