@@ -252,10 +252,7 @@ class ModelRunner:
         else:
             if not all(finite):  # rows without a distribution sample from zeros (then flagged)
                 logits = torch.where(torch.tensor(finite, device=logits.device).view(-1, 1), logits, 0.0)
-            if self._samples_natively(reqs, logits):
-                tokens = self._sample_natively(reqs, logits, greedy)
-            else:
-                tokens = self._sample(reqs, logits)
+            tokens = self._draw(reqs, logits, greedy)
         top_n = max(r.params.top_n_tokens for r in reqs)
         want_lp = top_n > 0 or any(r.params.logprobs for r in reqs)
         lp = top_v = top_i = None
@@ -270,6 +267,40 @@ class ModelRunner:
             top_ids=top_i.tolist() if top_i is not None else None,
         )
 
+    def _draw(self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+        """Each row's token: rows the native sampler takes (native_sampler_takes) are drawn by it,
+        rows that sample otherwise or carry a penalty by model/sampling.py's sample_tokens, and
+        greedy rows without a penalty keep their argmax. The way depends only on the row's own
+        parameters, so a request draws the same tokens alone or beside any others."""
+        tokens = greedy.clone()
+        natively = [self.native_sampler_takes(r, logits) for r in reqs]
+        if any(natively):
+            assert self.native_step is not None
+            self.native_step.sample(
+                logits,
+                [r.params.temperature if n else 0.0 for r, n in zip(reqs, natively, strict=True)],
+                [r.params.top_p if r.params.top_p is not None else 1.0 for r in reqs],
+                [seeded_uniform(r.seed, len(r.generated)) for r in reqs],
+                tokens,
+            )
+        rows = [j for j, (r, n) in enumerate(zip(reqs, natively, strict=True))
+                if not n and (r.params.temperature > 0 or _uses_penalties(r))]
+        if len(rows) == len(reqs):
+            return self._sample(reqs, logits)
+        if rows:
+            tokens[rows] = self._sample([reqs[j] for j in rows], logits[rows])
+        return tokens
+
+    def native_sampler_takes(self, req: Request, logits: torch.Tensor) -> bool:
+        """Whether the native step's sampler draws this row: sampled with temperature and top_p
+        only (no top_k below the vocabulary, min_p, typical_p or penalty), CPU float32 logits."""
+        p = req.params
+        return (
+            self.native_step is not None and logits.dtype == torch.float32 and logits.is_contiguous()
+            and p.temperature > 0 and (p.top_k is None or p.top_k >= self.vocab) and not p.min_p
+            and (p.typical_p is None or p.typical_p >= 1) and not _uses_penalties(req)
+        )
+
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
         """model/sampling.py's sample_tokens, penalties and their bookkeeping included."""
         batch = self._batch(reqs)
@@ -281,34 +312,6 @@ class ModelRunner:
             counts=self.counts.index_select(0, slots) if penal else None,
         )
         self._record(reqs, tokens)
-        return tokens
-
-    def _samples_natively(self, reqs: list[Request], logits: torch.Tensor) -> bool:
-        """Whether the native step's sampler takes this batch: every row greedy or sampled with
-        temperature and top_p only (no top_k below the vocabulary, min_p, typical_p or penalty),
-        on CPU float32 logits."""
-        if self.native_step is None or logits.dtype != torch.float32 or not logits.is_contiguous():
-            return False
-        return all(
-            (p.top_k is None or p.top_k >= self.vocab) and not p.min_p
-            and (p.typical_p is None or p.typical_p >= 1) and not _uses_penalties(r)
-            for r in reqs for p in (r.params,)
-        )
-
-    def _sample_natively(
-        self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor
-    ) -> torch.Tensor:
-        """Greedy rows keep their argmax; the others are drawn by native/sampler.h, the rule of
-        sample_tokens' whole-vocabulary path in one call (no torch op, no GIL hand-off, per row)."""
-        assert self.native_step is not None
-        tokens = greedy.clone()
-        self.native_step.sample(
-            logits,
-            [r.params.temperature for r in reqs],
-            [r.params.top_p if r.params.top_p is not None else 1.0 for r in reqs],
-            [seeded_uniform(r.seed, len(r.generated)) for r in reqs],
-            tokens,
-        )
         return tokens
 
     def _batch(self, reqs: list[Request]) -> SamplingBatch:

@@ -3,16 +3,19 @@ top_p, inverse-CDF sampling), and the runner hands it exactly the batches it can
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from model.checkpoint import Checkpoint
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.sampling import SamplingBatch, sample_tokens
 from service.engine.kv_slots import SpanKVCache
 from service.engine.native_step import NativeStep
 from service.engine.runner import ModelRunner
+from service.engine.types import SamplingParams
 from tests.service.engine.conftest import EngineFactory, collect, token_ids
 
 pytestmark = pytest.mark.usefixtures("native_library")
@@ -106,25 +109,49 @@ async def test_the_runner_samples_natively_only_what_the_native_sampler_does(
     assert runner.native_step is not None
     logits = torch.zeros(2, runner.vocab)
 
-    class Req:
-        def __init__(self, **params: float) -> None:
-            from service.engine.types import SamplingParams
+    def takes(logits: torch.Tensor = logits, **params: float) -> bool:
+        req = SimpleNamespace(params=SamplingParams(**params))  # type: ignore[arg-type]
+        return runner.native_sampler_takes(req, logits)  # type: ignore[arg-type]
 
-            self.params = SamplingParams(**params)  # type: ignore[arg-type]
-
-    def native(*reqs: Req) -> bool:
-        return runner._samples_natively(list(reqs), logits)  # type: ignore[arg-type]
-
-    assert native(Req(temperature=0.7), Req(temperature=0.0))
-    assert native(Req(temperature=1.0, top_p=0.9), Req(temperature=1.0, top_k=runner.vocab))
+    assert takes(temperature=0.7) and takes(temperature=1.0, top_p=0.9)
+    assert takes(temperature=1.0, top_k=runner.vocab)
+    assert not takes(temperature=0.0)  # greedy rows keep their argmax
     for other in ({"top_k": 5}, {"min_p": 0.1}, {"typical_p": 0.9}, {"repetition_penalty": 1.2},
                   {"frequency_penalty": 0.5}, {"presence_penalty": 0.5}):
-        assert not native(Req(temperature=1.0), Req(temperature=1.0, **other)), other
-    assert not runner._samples_natively([Req(temperature=1.0)], logits.double())  # type: ignore[list-item]
+        assert not takes(temperature=1.0, **other), other
+    assert not takes(logits.double(), temperature=1.0)
+
+
+async def test_a_request_draws_the_same_tokens_alone_and_beside_others(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its rows are drawn natively whatever its batch mates need (top_k, min_p, a penalty, greedy):
+    # the sampler is handed its temperature and a 0 (skip) for each of theirs.
+    handed: list[list[float]] = []
+    sample = NativeStep.sample
+
+    def recorded(self: NativeStep, logits: torch.Tensor, temperature: list[float], *rest: object) -> None:
+        handed.append(temperature)
+        sample(self, logits, temperature, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(NativeStep, "sample", recorded)
+    params = dict(max_new_tokens=40, temperature=1.3, top_p=0.9, seed=7, stop_on_eos=False)
+    engine = make_engine(max_seqs=8)
+    alone = token_ids(await collect(engine, "Hello there", **params))
+    mates = [dict(top_k=5, temperature=0.9), dict(min_p=0.2, temperature=1.1), dict(temperature=0.0),
+             dict(repetition_penalty=1.3, temperature=1.0)]
+    others = [
+        collect(engine, "abc", max_new_tokens=40, seed=i, stop_on_eos=False, **m) for i, m in enumerate(mates)
+    ]
+    results = await asyncio.gather(collect(engine, "Hello there", **params), *others)
+    assert token_ids(results[0]) == alone
+    assert len(set(alone)) > 5
+    assert {t for temps in handed for t in temps} == {0.0, 1.3}
+    assert max(len(temps) for temps in handed) == 5  # batched with its four mates
 
 
 async def test_an_engine_generates_the_same_tokens_with_either_sampler(
-    make_engine: EngineFactory, lively: Checkpoint, monkeypatch: pytest.MonkeyPatch
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     params = dict(max_new_tokens=40, temperature=1.3, top_p=0.9, stop_on_eos=False)
     prompts = ["Hello there", "abc", "q r s", "Z"]
@@ -134,6 +161,6 @@ async def test_an_engine_generates_the_same_tokens_with_either_sampler(
         return [token_ids(await collect(engine, p, seed=i, **params)) for i, p in enumerate(prompts)]
 
     native = await run()
-    monkeypatch.setattr(ModelRunner, "_samples_natively", lambda *_: False)
+    monkeypatch.setattr(ModelRunner, "native_sampler_takes", lambda *_: False)
     assert await run() == native
     assert len({t for tokens in native for t in tokens}) > 10  # really sampled
