@@ -13,7 +13,10 @@ Variants, alternating, median of `--steps` calls per round, best round kept:
   - whole vocabulary: `sample_tokens` with candidates off (every filter over all tokens);
   - HF: `transformers` processors and warpers (RepetitionPenaltyLogitsProcessor, then
     TemperatureLogitsWarper, TopK/TopP/MinP/TypicalLogitsWarper), softmax and
-    `torch.multinomial`, as `generate(do_sample=True)` samples.
+    `torch.multinomial`, as `generate(do_sample=True)` samples;
+  - native: the engine's native sampler (service/engine/native/sampler.h), which the runner uses
+    for batches of temperature and top_p only (so for those settings it is what the engine runs);
+    its picks are compared with the whole vocabulary's and the differences counted.
 Settings include typical_p (every token, always) and a repetition penalty over 256 random tokens
 of context per row.
 With --engine instead: the engine itself at GPT-2's shape (124M random weights, the tied embedding
@@ -112,6 +115,33 @@ def hf_sampler(params: dict[str, float], context: torch.Tensor) -> Callable[[tor
     return sample
 
 
+def native_sampler() -> Callable[[torch.Tensor, SamplingBatch], torch.Tensor] | None:
+    """The engine's native sampler (service/engine/native/sampler.h) as the runner calls it, or
+    None where the library is not built. Only for settings it takes (temperature, top_p)."""
+    from model.config import GPTConfig
+    from model.gpt import GPT
+    from service.engine.kv_slots import SpanKVCache
+    from service.engine.native_step import NativeStep, library_path
+
+    if library_path() is None:
+        return None
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)  # any model: a handle
+    cache = SpanKVCache(cfg.n_layer, 1, cfg.n_head, cfg.block_size, cfg.head_dim, torch.float32, "cpu")
+    step = NativeStep(GPT(cfg).eval(), cache, max_threads=torch.get_num_threads())
+
+    def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        rows = len(logits)
+        top_p = batch.top_p.view(-1).tolist() if batch.top_p is not None else [1.0] * rows
+        out = torch.zeros(rows, dtype=torch.int64)
+        step.sample(logits, batch.temperature.view(-1).tolist(), top_p, batch.uniform.tolist(), out)
+        return out
+
+    return sample
+
+
+NATIVE_SETTINGS = ("top_p 0.9", "top_p 0.95", "temperature only")  # what the runner samples natively
+
+
 def describe(logits: torch.Tensor) -> tuple[float, float]:
     """Mean entropy (nats) of the rows' distributions and mean mass of their CANDIDATES likeliest."""
     logp = logits.log_softmax(dim=-1)
@@ -124,6 +154,7 @@ def describe(logits: torch.Tensor) -> tuple[float, float]:
 def run(rows_list: list[int], vocab: int, steps: int, rounds: int) -> list[dict[str, Any]]:
     out = []
     g = torch.Generator().manual_seed(0)
+    native = native_sampler()
     for rows in rows_list:
         for dist, scale in SCALES.items():
             logits = torch.randn(rows, vocab, generator=g) * scale
@@ -134,14 +165,20 @@ def run(rows_list: list[int], vocab: int, steps: int, rounds: int) -> list[dict[
                 fast, full = batch_for(rows, vocab, params, True), batch_for(rows, vocab, params, False)
                 assert torch.equal(sample_tokens(logits, fast, seen), sample_tokens(logits, full, seen))
                 hf = hf_sampler(params, context)
-                seconds = best_median_s({
+                variants: dict[str, Callable[[], object]] = {
                     "candidates": lambda: sample_tokens(logits, fast, seen),  # noqa: B023
                     "whole vocabulary": lambda: sample_tokens(logits, full, seen),  # noqa: B023
                     "HF": lambda: hf(logits),  # noqa: B023
-                }, steps, rounds)
+                }
+                differ = None
+                if native is not None and setting in NATIVE_SETTINGS:
+                    variants["native"] = lambda: native(logits, full)  # noqa: B023
+                    differ = int((native(logits, full) != sample_tokens(logits, full, seen)).sum())
+                seconds = best_median_s(variants, steps, rounds)
                 ms = {name: 1e3 * s for name, s in seconds.items()}
                 out.append({"rows": rows, "distribution": dist, "entropy": entropy, "head_mass": head,
-                            "setting": setting, "width": fast.candidates, "ms": ms})
+                            "setting": setting, "width": fast.candidates, "ms": ms,
+                            "native_picks_differing": differ})
                 print(f"{rows:3d} rows  {dist:22s} {setting:22s} " + "  ".join(
                     f"{k} {v:7.2f} ms" for k, v in ms.items()), flush=True)
     return out
@@ -177,17 +214,24 @@ def engine_table(results: list[dict[str, Any]]) -> str:
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| rows | logits | entropy (nats) | mass of top 64 | setting | candidates ms | "
-        "whole vocabulary / candidates | HF / candidates |",
-        "|---|---|---|---|---|---|---|---|",
+        "whole vocabulary / candidates | HF / candidates | native ms | HF / native |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ms = r["ms"]
+        native = (f"{ms['native']:.2f} | {ms['HF'] / ms['native']:.2f}" if "native" in ms else "- | -")
         lines.append(
             f"| {r['rows']} | {r['distribution']} | {r['entropy']:.1f} | {r['head_mass']:.2f} | "
             f"{r['setting']} | {ms['candidates']:.2f} | {ms['whole vocabulary'] / ms['candidates']:.2f} | "
-            f"{ms['HF'] / ms['candidates']:.2f} |"
+            f"{ms['HF'] / ms['candidates']:.2f} | {native} |"
         )
     return "\n".join(lines)
+
+
+def differing(results: list[dict[str, Any]]) -> str:
+    counts = [r["native_picks_differing"] for r in results if r["native_picks_differing"] is not None]
+    return f"{sum(counts)} of {sum(r['rows'] for r in results if r['native_picks_differing'] is not None)}" \
+        if counts else "not run (the native library is not built)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{meta['machine']['torch']}, {args.threads} threads; {meta['utc']}; vocabulary {args.vocab}; "
           f"load before/after {meta['load_before']} / {meta['load_after']}. Milliseconds per call "
           f"(best of {args.rounds} rounds' medians); every candidates pick equalled the whole "
-          f"vocabulary's.\n\n" + table(results) + "\n")
+          f"vocabulary's; native: the engine's sampler for the settings it takes (temperature, "
+          f"top_p), picks differing from the whole vocabulary's: {differing(results)}.\n\n"
+          + table(results) + "\n")
     print(md)
     write_results(args.out or RESULTS / "sampling", {"meta": meta, "results": results}, md)
     return 0
