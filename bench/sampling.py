@@ -15,8 +15,8 @@ Variants, alternating, median of `--steps` calls per round, best round kept:
     TemperatureLogitsWarper, TopK/TopP/MinP/TypicalLogitsWarper), softmax and
     `torch.multinomial`, as `generate(do_sample=True)` samples;
   - native: the engine's native sampler (service/engine/native/sampler.h), which the runner uses
-    for batches of temperature and top_p only (so for those settings it is what the engine runs);
-    its picks are compared with the whole vocabulary's and the differences counted.
+    for rows with temperature, top_k, top_p and min_p only (so for those settings it is what the
+    engine runs); its picks are compared with the whole vocabulary's and the differences counted.
 Settings include typical_p (every token, always) and a repetition penalty over 256 random tokens
 of context per row.
 With --engine instead: the engine itself at GPT-2's shape (124M random weights, the tied embedding
@@ -131,15 +131,21 @@ def native_sampler() -> Callable[[torch.Tensor, SamplingBatch], torch.Tensor] | 
 
     def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         rows = len(logits)
-        top_p = batch.top_p.view(-1).tolist() if batch.top_p is not None else [1.0] * rows
+
+        def column(t: torch.Tensor | None, off: float) -> list[float]:
+            return t.view(-1).tolist() if t is not None else [off] * rows
+
         out = torch.zeros(rows, dtype=torch.int64)
-        step.sample(logits, batch.temperature.view(-1).tolist(), top_p, batch.uniform.tolist(), out)
+        top_k = [int(k) for k in column(batch.top_k, 0)]
+        step.sample(logits, column(batch.temperature, 1.0), top_k, column(batch.top_p, 1.0),
+                    column(batch.min_p, 0.0), batch.uniform.tolist(), out)
         return out
 
     return sample
 
 
-NATIVE_SETTINGS = ("top_p 0.9", "top_p 0.95", "temperature only")  # what the runner samples natively
+# What the runner samples natively (temperature, top_k, top_p, min_p; not typical_p or penalties).
+NATIVE_SETTINGS = ("top_p 0.9", "top_p 0.95", "min_p 0.05", "top_k 40, top_p 0.95", "temperature only")
 
 
 def describe(logits: torch.Tensor) -> tuple[float, float]:
@@ -267,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
           f"load before/after {meta['load_before']} / {meta['load_after']}. Milliseconds per call "
           f"(best of {args.rounds} rounds' medians); every candidates pick equalled the whole "
           f"vocabulary's; native: the engine's sampler for the settings it takes (temperature, "
-          f"top_p), picks differing from the whole vocabulary's: {differing(results)}.\n\n"
+          f"top_k, top_p, min_p), picks differing from the whole vocabulary's: "
+          f"{differing(results)}.\n\n"
           + table(results) + "\n")
     print(md)
     write_results(args.out or RESULTS / "sampling", {"meta": meta, "results": results}, md)

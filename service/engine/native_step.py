@@ -178,7 +178,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.ns_set_isa.restype = ctypes.c_int
     lib.ns_set_isa.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.ns_sample.restype = ctypes.c_int
-    lib.ns_sample.argtypes = [ptr, num, num, ptr, ptr, ptr, ptr, ptr, num]
+    lib.ns_sample.argtypes = [ptr, num, num, ptr, ptr, ptr, ptr, ptr, ptr, ptr, num]
     for name, args in (("ns_tiles_only", [ctypes.c_void_p]), ("ns_tiles_possible", [ctypes.c_void_p]),
                        ("ns_tile_linear", [ctypes.c_void_p, ctypes.c_int])):
         getattr(lib, name).restype = ctypes.c_int
@@ -301,23 +301,26 @@ class NativeStep:
         return logits
 
     def sample(
-        self, logits: torch.Tensor, temperature: list[float], top_p: list[float], uniform: list[float],
-        out: torch.Tensor,
+        self, logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
+        min_p: list[float], uniform: list[float], out: torch.Tensor,
     ) -> None:
         """Draws out[r] (int64) for each row r of `logits` (N, V), float32 and contiguous on the
-        CPU, whose temperature is above 0: temperature, top_p (1: off), then inverse-CDF sampling
-        with uniform[r], the rule of model/sampling.py's whole-vocabulary path (native/sampler.h
-        says what may differ); the other rows' out is left as it is."""
+        CPU, whose temperature is above 0: temperature, top_k (0: off), top_p (1: off), min_p (0:
+        off), then inverse-CDF sampling with uniform[r], the rules of model/sampling.py's
+        whole-vocabulary path (native/sampler.h says what may differ); the other rows' out is left
+        as it is."""
         n, v = logits.shape
+        columns = (temperature, top_k, top_p, min_p, uniform)
         if not (logits.dtype == torch.float32 and logits.is_contiguous() and out.dtype == torch.int64
-                and out.is_contiguous() and len(out) == len(temperature) == len(top_p) == len(uniform) == n):
-            raise ValueError("native sample: (N, V) float32 logits; N temperatures, top_p, uniforms, outs")
+                and out.is_contiguous() and len(out) == n and all(len(c) == n for c in columns)):
+            raise ValueError("native sample: (N, V) float32 logits; N of each parameter; N int64 outs")
         t = torch.tensor(temperature, dtype=torch.float32)
-        p = torch.tensor(top_p, dtype=torch.float64)
-        u = torch.tensor(uniform, dtype=torch.float64)
+        k = torch.tensor(top_k, dtype=torch.int64)
+        p, mp, u = (torch.tensor(c, dtype=torch.float64) for c in (top_p, min_p, uniform))
         # Rows are dealt to threads whole: below ~64k logits a second thread's wake-up costs more.
         threads = max(1, min(torch.get_num_threads(), self.max_threads)) if n * v >= 1 << 16 else 1
-        args = (logits.data_ptr(), t.data_ptr(), p.data_ptr(), u.data_ptr(), out.data_ptr())
+        args = (logits.data_ptr(), t.data_ptr(), k.data_ptr(), p.data_ptr(), mp.data_ptr(), u.data_ptr(),
+                out.data_ptr())
         if self._lib.ns_sample(self._handle, n, v, *args, threads):
             raise MemoryError("native sample: no scratch memory")
 

@@ -269,17 +269,20 @@ class ModelRunner:
 
     def _draw(self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
         """Each row's token: rows the native sampler takes (native_sampler_takes) are drawn by it,
-        rows that sample otherwise or carry a penalty by model/sampling.py's sample_tokens, and
+        rows with typical_p or a penalty by model/sampling.py's sample_tokens, and
         greedy rows without a penalty keep their argmax. The way depends only on the row's own
         parameters, so a request draws the same tokens alone or beside any others."""
         tokens = greedy.clone()
         natively = [self.native_sampler_takes(r, logits) for r in reqs]
         if any(natively):
             assert self.native_step is not None
+            ps = [r.params for r in reqs]
             self.native_step.sample(
                 logits,
-                [r.params.temperature if n else 0.0 for r, n in zip(reqs, natively, strict=True)],
-                [r.params.top_p if r.params.top_p is not None else 1.0 for r in reqs],
+                [p.temperature if n else 0.0 for p, n in zip(ps, natively, strict=True)],
+                [p.top_k or 0 for p in ps],
+                [p.top_p if p.top_p is not None else 1.0 for p in ps],
+                [p.min_p or 0.0 for p in ps],
                 [seeded_uniform(r.seed, len(r.generated)) for r in reqs],
                 tokens,
             )
@@ -292,13 +295,12 @@ class ModelRunner:
         return tokens
 
     def native_sampler_takes(self, req: Request, logits: torch.Tensor) -> bool:
-        """Whether the native step's sampler draws this row: sampled with temperature and top_p
-        only (no top_k below the vocabulary, min_p, typical_p or penalty), CPU float32 logits."""
+        """Whether the native step's sampler draws this row: sampled with temperature, top_k,
+        top_p and min_p only (no typical_p or penalty), CPU float32 logits."""
         p = req.params
         return (
             self.native_step is not None and logits.dtype == torch.float32 and logits.is_contiguous()
-            and p.temperature > 0 and (p.top_k is None or p.top_k >= self.vocab) and not p.min_p
-            and (p.typical_p is None or p.typical_p >= 1) and not _uses_penalties(req)
+            and p.temperature > 0 and (p.typical_p is None or p.typical_p >= 1) and not _uses_penalties(req)
         )
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 /* Part of decode.c, which includes it once (see attention.h). Drawing each row's next token from
- * its logits in one call: temperature, top_p, then inverse-CDF sampling, the rule and the order of
- * model/sampling.py's whole-vocabulary path (sample_tokens with candidates off, top_p_mask,
- * sample_from_logits), for rows that use nothing else.
+ * its logits in one call: temperature, top_k, top_p, min_p, then inverse-CDF sampling, the rules
+ * and the order of model/sampling.py's whole-vocabulary path (sample_tokens with candidates off:
+ * apply_filters, sample_from_logits), for rows that use nothing else (typical_p and the penalties
+ * stay there).
  *
  * Why here and not in torch: that path is some twenty torch operations over (rows, vocab), each
  * releasing the GIL and most allocating (rows, vocab) temporaries; at GPT-2's 50,257 tokens and 32
@@ -10,12 +11,14 @@
  * passes over its logits in the thread's cache, rows shared among the step's threads.
  *
  * What differs from torch: each token's exp is float32 (exp256, a few ulp from expf) where
- * top_p's mass is float64 there; sums are float64 either way. So a row's cut and draw agree with
- * the torch path unless its running mass, or its uniform number, falls within ~1e-6 of a
- * boundary (the tests check exactly that). */
+ * top_p's mass is float64 there; sums are float64 either way. So a row's cuts and draw agree with
+ * the torch path unless its running mass, min_p ratio or uniform number falls within ~1e-6 of a
+ * boundary (the tests compare every draw). Filters drop a token by zeroing its e; the top_k and
+ * top_p cuts come from one radix select (crossing_bucket), counting tokens or summing mass. */
 
 #define SAMPLE_BUCKET_BITS 13 /* model/nucleus.py's BUCKET_BITS: 8,192 buckets in score order */
 #define SAMPLE_SORT_MAX 1024  /* rows this narrow sort every token (clearing the buckets costs more) */
+#define SAMPLE_HEAP_MAX 256   /* top_k up to this on wider rows: a heap of the k largest */
 
 typedef struct {
     float s, e; /* a token's scaled logit and exp(s - max) */
@@ -26,7 +29,8 @@ typedef struct {
     const float *logits;
     int rows, vocab, serial;
     const float *temperature; /* per row; rows with 0 (greedy) are skipped */
-    const double *top_p, *uniform;
+    const int64_t *top_k;             /* 0, or the vocabulary or more: off */
+    const double *top_p, *min_p, *uniform; /* top_p 1, min_p 0: off */
     int64_t *out;
     char *scratch;
     size_t each; /* scratch bytes per thread */
@@ -34,11 +38,10 @@ typedef struct {
 
 /* The bucket of a scaled logit, largest scores first (see model/nucleus.py _bucket_of). */
 static inline int sample_bucket(float s) {
-    /* -0.0 + 0.0 is 0.0: the two zeros, equal as scores, share a bucket, so a cut at zero counts
-     * the kept mass of both (ties always stay together). */
-    const float canonical = s + 0.0f;
+    /* (-0.0 and 0.0 may land in neighbouring buckets; a cut's value is the same either way, and
+     * keep_from keeps tokens by comparing values, so both zeros stay or go together.) */
     int32_t bits;
-    memcpy(&bits, &canonical, sizeof bits);
+    memcpy(&bits, &s, sizeof bits);
     const int32_t key = bits ^ (int32_t)((uint32_t)(bits >> 31) >> 1); /* signed, ordered as the scores */
     /* ~key reverses that order; flipping the sign bit makes it the unsigned order the shift keeps. */
     return (int)(((uint32_t)~key ^ 0x80000000u) >> (32 - SAMPLE_BUCKET_BITS));
@@ -50,12 +53,10 @@ static int by_score_descending(const void *a, const void *b) {
 }
 
 #ifdef NS_X86
-/* scale_and_exp eight at a time: the same divisions and maximum; e by exp256. Returns how many
- * elements it did (the rest, fewer than eight, are the caller's). */
-__attribute__((target("avx2,fma"))) static int exp_rows_avx2(const float *z, int v, float t, float *s, float *e,
-                                                             double *sum) {
+/* scale_max and exp_sum eight at a time (the same divisions and maximum; e by exp256). Each
+ * returns how many elements it did: a multiple of eight, the rest is the caller's. */
+__attribute__((target("avx2,fma"))) static int scale_max_avx2(const float *z, int v, float t, float *s, float *best) {
     const int n = v & ~7;
-    if (!n) return 0;
     const __m256 vt = _mm256_set1_ps(t);
     __m256 best8 = _mm256_set1_ps(-INFINITY);
     for (int i = 0; i < n; i += 8) {
@@ -63,13 +64,14 @@ __attribute__((target("avx2,fma"))) static int exp_rows_avx2(const float *z, int
         _mm256_storeu_ps(s + i, x);
         best8 = _mm256_max_ps(x, best8);
     }
-    float lanes[8], best = -INFINITY;
+    float lanes[8];
     _mm256_storeu_ps(lanes, best8);
-    for (int k = 0; k < 8; k++) best = lanes[k] > best ? lanes[k] : best;
-    for (int i = n; i < v; i++) {
-        s[i] = z[i] / t;
-        best = s[i] > best ? s[i] : best;
-    }
+    for (int k = 0; k < 8; k++) *best = lanes[k] > *best ? lanes[k] : *best;
+    return n;
+}
+
+__attribute__((target("avx2,fma"))) static int exp_sum_avx2(const float *s, int n8, float best, float *e, double *sum) {
+    const int n = n8 & ~7;
     const __m256 vb = _mm256_set1_ps(best);
     __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
     for (int i = 0; i < n; i += 8) {
@@ -80,78 +82,158 @@ __attribute__((target("avx2,fma"))) static int exp_rows_avx2(const float *z, int
     }
     double parts[4];
     _mm256_storeu_pd(parts, _mm256_add_pd(lo, hi));
-    double total = (parts[0] + parts[1]) + (parts[2] + parts[3]);
-    for (int i = n; i < v; i++) {
-        e[i] = expf(s[i] - best);
-        total += e[i];
-    }
-    *sum = total;
-    return v;
+    *sum = (parts[0] + parts[1]) + (parts[2] + parts[3]);
+    return n;
 }
 #endif
 
-/* s = logits / t and e = exp(s - max s) for one row; returns the sum of e (float64). */
-static double scale_and_exp(const Model *m, const float *z, int v, float t, float *s, float *e) {
-    double sum = 0.0;
+/* s = logits / t for one row; returns the largest. */
+static float scale_max(const Model *m, const float *z, int v, float t, float *s) {
+    float best = -INFINITY;
+    int i = 0;
 #ifdef NS_X86
-    if (m->avx2 && exp_rows_avx2(z, v, t, s, e, &sum)) return sum;
+    if (m->avx2) i = scale_max_avx2(z, v, t, s, &best);
 #else
     (void)m;
 #endif
-    float best = -INFINITY;
-    for (int i = 0; i < v; i++) {
+    for (; i < v; i++) {
         s[i] = z[i] / t;
         best = s[i] > best ? s[i] : best;
     }
-    for (int i = 0; i < v; i++) {
+    return best;
+}
+
+/* e = exp(s - best) for n scores; returns the sum of e (float64). */
+static double exp_sum(const Model *m, const float *s, int n, float best, float *e) {
+    double sum = 0.0;
+    int i = 0;
+#ifdef NS_X86
+    if (m->avx2) i = exp_sum_avx2(s, n, best, e, &sum);
+#else
+    (void)m;
+#endif
+    for (; i < n; i++) {
         e[i] = expf(s[i] - best);
         sum += e[i];
     }
     return sum;
 }
 
-/* The scaled logit at which a row's mass, largest first, reaches target (top_p times the row's
- * sum of e): buckets' masses, then the crossing bucket's tokens sorted. -inf: every token stays
- * (top_p 1, or rounding leaves the row short of the target). *kept: the mass of the kept tokens. */
-static float nucleus_cut(const float *s, const float *e, int v, double target, double sum, double *bins, Scored *members,
-                         double *kept) {
-    *kept = sum;
-    double above = 0.0;
+/* The k-th largest of v scores, for a k much smaller than v: a min-heap of the k largest seen,
+ * which most scores pass by after one comparison with its root. `heap`: room for k floats. */
+static float kth_by_heap(const float *s, int v, int k, float *heap) {
+    for (int i = 0; i < k; i++) { /* the first k, then heapified */
+        int c = i;
+        heap[c] = s[i];
+        while (c > 0 && heap[(c - 1) / 2] > heap[c]) {
+            const float up = heap[(c - 1) / 2];
+            heap[(c - 1) / 2] = heap[c], heap[c] = up, c = (c - 1) / 2;
+        }
+    }
+    for (int i = k; i < v; i++) {
+        if (!(s[i] > heap[0])) continue;
+        int c = 0; /* the root goes; s[i] sinks to its place */
+        for (;;) {
+            const int l = 2 * c + 1, r = l + 1;
+            int least = c;
+            float x = s[i];
+            if (l < k && heap[l] < x) least = l, x = heap[l];
+            if (r < k && heap[r] < x) least = r;
+            if (least == c) break;
+            heap[c] = heap[least], c = least;
+        }
+        heap[c] = s[i];
+    }
+    return heap[0];
+}
+
+/* The tokens scoring at least `floor`, in vocabulary order: their indices and scores. */
+static int keep_top(const float *s, int v, float floor, int *idx, float *kept) {
     int n = 0;
+    for (int i = 0; i < v; i++)
+        if (s[i] >= floor) idx[n] = i, kept[n++] = s[i];
+    return n;
+}
+
+/* Each row's tokens, largest score first, as far as the crossing point needs them: every token
+ * for a narrow row (above = 0); for a wide one the tokens of the bucket where the running total of
+ * `weight` (e, or 1 a token when e is NULL) reaches `target`, *above the total of the buckets
+ * before it. Returns how many, sorted; 0 when the row's total stays below the target. */
+static int crossing_bucket(const float *s, const float *e, int v, double target, double *bins, Scored *members,
+                           double *above) {
+    int n = 0;
+    *above = 0.0;
     if (v <= SAMPLE_SORT_MAX) { /* a narrow row: all of it is the "bucket" */
-        for (int i = 0; i < v; i++) members[n++] = (Scored){s[i], e[i]};
+        for (int i = 0; i < v; i++) members[n++] = (Scored){s[i], e ? e[i] : 1.0f};
     } else {
         const int buckets = 1 << SAMPLE_BUCKET_BITS;
         memset(bins, 0, (size_t)buckets * sizeof(double));
-        for (int i = 0; i < v; i++) bins[sample_bucket(s[i])] += e[i];
+        for (int i = 0; i < v; i++) bins[sample_bucket(s[i])] += e ? e[i] : 1.0;
         int b = 0;
-        for (; b < buckets && above + bins[b] < target; b++) above += bins[b];
-        if (b == buckets) return -INFINITY;
+        for (; b < buckets && *above + bins[b] < target; b++) *above += bins[b];
+        if (b == buckets) return 0;
         for (int i = 0; i < v; i++)
-            if (sample_bucket(s[i]) == b) members[n++] = (Scored){s[i], e[i]};
+            if (sample_bucket(s[i]) == b) members[n++] = (Scored){s[i], e ? e[i] : 1.0f};
     }
-    if (!n) return -INFINITY; /* (only a target of 0 or less could pick an empty bucket) */
     qsort(members, (size_t)n, sizeof(Scored), by_score_descending);
-    double run = above;
-    int j = 0;
-    for (; j < n - 1 && run + members[j].e < target; j++) run += members[j].e;
-    const float cut = members[j].s;
-    /* The kept mass: everything above the bucket, and its members at or above the cut (ties). */
-    double in = 0.0;
-    for (int k = 0; k < n && members[k].s >= cut; k++) in += members[k].e;
-    *kept = above + in;
-    return cut;
+    return n;
 }
 
-/* The first token (in vocabulary order) whose running kept mass passes u * kept. */
-static int64_t draw(const float *s, const float *e, int v, float cut, double kept, double u) {
+/* The k-th largest scaled logit (top_k keeps every token at least as large: ties stay): by a
+ * heap for a few out of a wide row, else by the radix select. `heap`: room for k floats. */
+static float kth_largest(const float *s, int v, int k, double *bins, Scored *members, float *heap) {
+    if (v > SAMPLE_SORT_MAX && k <= SAMPLE_HEAP_MAX) return kth_by_heap(s, v, k, heap);
+    double above;
+    const int n = crossing_bucket(s, NULL, v, k, bins, members, &above);
+    const int j = k - 1 - (int)above;
+    return n ? members[j < n ? j : n - 1].s : -INFINITY;
+}
+
+/* The scaled logit at which a row's mass, largest first, reaches target (top_p times the row's
+ * kept e): the crossing bucket's tokens walked in order. -inf: every token stays (rounding can
+ * leave the row a hair short of the target). */
+static float nucleus_cut(const float *s, const float *e, int v, double target, double *bins, Scored *members) {
+    double run;
+    const int n = crossing_bucket(s, e, v, target, bins, members, &run);
+    if (!n) return -INFINITY;
+    int j = 0;
+    for (; j < n - 1 && run + members[j].e < target; j++) run += members[j].e;
+    return members[j].s;
+}
+
+/* Zeroes e of the tokens scoring below `floor` (a filter's mask); returns the sum of the rest. */
+static double keep_from(const float *s, float *e, int v, float floor) {
+    double sum = 0.0;
+    for (int i = 0; i < v; i++) {
+        if (!(s[i] >= floor)) e[i] = 0.0f;
+        sum += e[i];
+    }
+    return sum;
+}
+
+/* min_p: zeroes e of the tokens less likely than min_p times the likeliest; returns the sum. */
+static double keep_likely(float *e, int v, double min_p) {
+    float most = 0.0f;
+    for (int i = 0; i < v; i++) most = e[i] > most ? e[i] : most;
+    const double floor = min_p * most;
+    double sum = 0.0;
+    for (int i = 0; i < v; i++) {
+        if ((double)e[i] < floor) e[i] = 0.0f;
+        sum += e[i];
+    }
+    return sum;
+}
+
+/* The first token (in vocabulary order) whose running mass passes u * kept; tokens a filter
+ * dropped (e = 0) are never chosen. */
+static int64_t draw(const float *e, int v, double kept, double u) {
     double x = u * kept;
     const double below = nextafter(kept, 0.0);
     x = x < below ? x : below;
     double run = 0.0;
     int64_t last = 0;
     for (int i = 0; i < v; i++) {
-        if (!(s[i] >= cut)) continue;
+        if (!(e[i] > 0.0f)) continue;
         run += e[i];
         last = i;
         if (run > x) return i;
@@ -167,20 +249,36 @@ static void sample_thread(void *arg) {
     char *mine = job->scratch + (size_t)tid * job->each;
     double *bins = (double *)mine;
     Scored *members = (Scored *)(bins + (1 << SAMPLE_BUCKET_BITS));
-    float *s = (float *)(members + v), *e = s + v;
+    float *all = (float *)(members + v), *e = all + v, *top = e + v;
+    int *idx = (int *)(top + v);
     for (int r = tid; r < job->rows; r += nt) {
         const float t = job->temperature[r];
         if (!(t > 0.0f)) continue;
-        const double sum = scale_and_exp(m, job->logits + (size_t)r * v, v, t, s, e);
-        double kept = sum;
-        float cut = -INFINITY;
-        if (job->top_p[r] < 1.0) cut = nucleus_cut(s, e, v, job->top_p[r] * sum, sum, bins, members, &kept);
-        job->out[r] = draw(s, e, v, cut, kept, job->uniform[r]);
+        /* HF's order, as apply_filters: temperature, top_k, top_p, min_p; each on what the
+         * previous left. top_k first keeps its tokens (in vocabulary order, `idx`), so the rest
+         * runs on those alone. */
+        const float best = scale_max(m, job->logits + (size_t)r * v, v, t, all);
+        const float *s = all;
+        int n = v;
+        const int64_t k = job->top_k[r];
+        if (k > 0 && k < v) {
+            n = keep_top(all, v, kth_largest(all, v, (int)k, bins, members, e), idx, top);
+            s = top;
+        }
+        double sum = exp_sum(m, s, n, best, e);
+        if (job->top_p[r] < 1.0) {
+            const float cut = nucleus_cut(s, e, n, job->top_p[r] * sum, bins, members);
+            if (cut > -INFINITY) sum = keep_from(s, e, n, cut);
+        }
+        if (job->min_p[r] > 0.0) sum = keep_likely(e, n, job->min_p[r]);
+        const int64_t j = draw(e, n, sum, job->uniform[r]);
+        job->out[r] = s == top ? idx[j] : j;
     }
 }
 
 /* Scratch bytes per thread for rows of `vocab` logits. */
 static size_t sample_scratch_each(int vocab) {
-    const size_t bytes = ((size_t)1 << SAMPLE_BUCKET_BITS) * sizeof(double) + (size_t)vocab * (sizeof(Scored) + 2 * sizeof(float));
+    const size_t bytes = ((size_t)1 << SAMPLE_BUCKET_BITS) * sizeof(double) +
+                         (size_t)vocab * (sizeof(Scored) + 3 * sizeof(float) + sizeof(int));
     return (bytes + 63) & ~(size_t)63;
 }

@@ -34,14 +34,18 @@ def native(request: pytest.FixtureRequest, native_library: None) -> NativeStep:
 
 
 def torch_draws(
-    logits: torch.Tensor, temps: list[float], top_p: list[float], uniform: list[float]
+    logits: torch.Tensor, temps: list[float], top_k: list[int], top_p: list[float], min_p: list[float],
+    uniform: list[float],
 ) -> torch.Tensor:
     def col(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32).view(-1, 1)
 
+    v = logits.shape[-1]
+    ks = [k if 0 < k < v else v for k in top_k]
     batch = SamplingBatch(
         temperature=col(temps), greedy=torch.tensor([t == 0 for t in temps]),
-        uniform=torch.tensor(uniform, dtype=torch.float64), top_p=col(top_p), any_greedy=0 in temps,
+        uniform=torch.tensor(uniform, dtype=torch.float64), top_k=torch.tensor(ks).view(-1, 1),
+        top_k_max=max(ks), top_p=col(top_p), min_p=col(min_p), any_greedy=0 in temps,
     )
     return sample_tokens(logits, batch)
 
@@ -62,31 +66,53 @@ def cases() -> list[torch.Tensor]:
     zeros = torch.zeros(8, 4096)
     zeros[:, ::2] = -0.0
     zeros[4:, :100] = 1.0
-    return [*out, zeros]
+    # Flat rows in order, largest first and last: the worst orders for a selection of the k
+    # largest (flat, so that every top_k matters).
+    x = torch.randn(8, 4096, generator=g) * 0.3
+    ordered = [x.sort(dim=-1, descending=True).values, x.sort(dim=-1).values]
+    return [*out, zeros, *ordered]
 
 
 def test_the_native_sampler_draws_what_sample_tokens_draws(native: NativeStep) -> None:
-    # Every row of every case, at temperatures around 1, top_p from a sliver to off, and
-    # uniform numbers including 0 and the largest below 1; greedy rows are left as they were.
-    # The native exp is float32 (the torch path's top_p mass float64): a draw could differ only
-    # where a row's mass or uniform number lands within ~1e-6 of a boundary; none of these do.
+    # Every row of every case, at temperatures around 1, with top_k (1, a few, 40, off; ties at
+    # the k-th come with the rounded cases), top_p from a sliver to off and min_p, alone and
+    # together, and uniform numbers including 0 and the largest below 1; greedy rows are left as
+    # they were. The native exp is float32 (the torch path's top_p mass float64): a draw could
+    # differ only where a row's mass, ratio or uniform number lands within ~1e-6 of a boundary;
+    # none of these do.
     g = torch.Generator().manual_seed(12)
-    top_ps = [0.3, 0.9, 0.5, 0.95, 1e-6, 0.99, 1.0, 0.7]
+    top_ks = [0, 1, 5, 40, 0, 0, 3, 0, 0, 1000]
+    top_ps = [0.3, 0.9, 0.5, 0.95, 1e-6, 0.99, 1.0, 0.7, 1.0]
+    min_ps = [0.0, 0.0, 0.05, 0.0, 0.2, 0.0, 1.0, 0.5]  # 1: only the likeliest and its ties
     drawn = 0
     for i, x in enumerate(cases()):
         n = len(x)
         temps = [0.0 if (r + i) % 5 == 0 else 0.4 + (r % 4) * 0.5 for r in range(n)]
+        top_k = [top_ks[(r + 3 * i) % len(top_ks)] for r in range(n)]
         top_p = [top_ps[(r + i) % len(top_ps)] for r in range(n)]
+        min_p = [min_ps[(r + 2 * i) % len(min_ps)] for r in range(n)]
         uniform = torch.rand(n, generator=g, dtype=torch.float64).tolist()
         uniform[i % n], uniform[(i + 1) % n] = 0.0, 1.0 - 2.0**-53
         out = torch.full((n,), -1, dtype=torch.int64)
-        native.sample(x.contiguous(), temps, top_p, uniform, out)
-        expected = torch_draws(x, temps, top_p, uniform)
+        native.sample(x.contiguous(), temps, top_k, top_p, min_p, uniform, out)
+        expected = torch_draws(x, temps, top_k, top_p, min_p, uniform)
         sampled = torch.tensor([t > 0 for t in temps])
         assert torch.equal(out[sampled], expected[sampled]), f"case {i}, width {x.shape[-1]}"
         assert (out[~sampled] == -1).all()
         drawn += int(sampled.sum())
-    assert drawn > 120  # 22 cases x 8 rows, a fifth of them greedy
+    assert drawn > 130  # 24 cases x 8 rows, a fifth of them greedy
+
+
+def test_a_uniform_number_on_a_boundary_takes_the_next_token(native: NativeStep) -> None:
+    # Four tied tokens (probability 1/4 each, sums exact): u = k/4 lands exactly on the k-th
+    # boundary of the CDF, and inverse-CDF sampling takes the first token whose CDF passes it.
+    x = torch.full((4, 64), float("-inf"))
+    x[:, [3, 10, 20, 50]] = 2.0
+    uniform = [0.0, 0.25, 0.5, 0.75]
+    out = torch.zeros(4, dtype=torch.int64)
+    native.sample(x, [1.0] * 4, [0] * 4, [1.0] * 4, [0.0] * 4, uniform, out)
+    assert out.tolist() == [3, 10, 20, 50]
+    assert torch.equal(out, torch_draws(x, [1.0] * 4, [0] * 4, [1.0] * 4, [0.0] * 4, uniform))
 
 
 def test_the_native_sampler_follows_the_distribution(native: NativeStep) -> None:
@@ -95,7 +121,7 @@ def test_the_native_sampler_follows_the_distribution(native: NativeStep) -> None
     logits = torch.tensor([[2.0, 1.5, 0.0, -1.0, 0.5, float("-inf")]]).repeat(20000, 1)
     uniform = torch.rand(20000, generator=torch.Generator().manual_seed(13), dtype=torch.float64).tolist()
     out = torch.zeros(20000, dtype=torch.int64)
-    native.sample(logits, [0.5] * 20000, [0.7] * 20000, uniform, out)
+    native.sample(logits, [0.5] * 20000, [0] * 20000, [0.7] * 20000, [0.0] * 20000, uniform, out)
     counts = torch.bincount(out, minlength=6).double() / 20000
     p = torch.softmax(torch.tensor([2.0, 1.5]) / 0.5, dim=-1).double()
     assert counts[2:].sum() == 0
@@ -113,11 +139,10 @@ async def test_the_runner_samples_natively_only_what_the_native_sampler_does(
         req = SimpleNamespace(params=SamplingParams(**params))  # type: ignore[arg-type]
         return runner.native_sampler_takes(req, logits)  # type: ignore[arg-type]
 
-    assert takes(temperature=0.7) and takes(temperature=1.0, top_p=0.9)
-    assert takes(temperature=1.0, top_k=runner.vocab)
+    assert takes(temperature=0.7) and takes(temperature=1.0, top_p=0.9, top_k=5, min_p=0.1)
     assert not takes(temperature=0.0)  # greedy rows keep their argmax
-    for other in ({"top_k": 5}, {"min_p": 0.1}, {"typical_p": 0.9}, {"repetition_penalty": 1.2},
-                  {"frequency_penalty": 0.5}, {"presence_penalty": 0.5}):
+    for other in ({"typical_p": 0.9}, {"repetition_penalty": 1.2}, {"frequency_penalty": 0.5},
+                  {"presence_penalty": 0.5}):
         assert not takes(temperature=1.0, **other), other
     assert not takes(logits.double(), temperature=1.0)
 
@@ -125,7 +150,7 @@ async def test_the_runner_samples_natively_only_what_the_native_sampler_does(
 async def test_a_request_draws_the_same_tokens_alone_and_beside_others(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Its rows are drawn natively whatever its batch mates need (top_k, min_p, a penalty, greedy):
+    # Its rows are drawn natively whatever its batch mates need (typical_p, a penalty, greedy):
     # the sampler is handed its temperature and a 0 (skip) for each of theirs.
     handed: list[list[float]] = []
     sample = NativeStep.sample
@@ -138,8 +163,8 @@ async def test_a_request_draws_the_same_tokens_alone_and_beside_others(
     params = dict(max_new_tokens=40, temperature=1.3, top_p=0.9, seed=7, stop_on_eos=False)
     engine = make_engine(max_seqs=8)
     alone = token_ids(await collect(engine, "Hello there", **params))
-    mates = [dict(top_k=5, temperature=0.9), dict(min_p=0.2, temperature=1.1), dict(temperature=0.0),
-             dict(repetition_penalty=1.3, temperature=1.0)]
+    mates = [dict(typical_p=0.8, temperature=0.9), dict(frequency_penalty=0.5, temperature=1.1),
+             dict(temperature=0.0), dict(repetition_penalty=1.3, temperature=1.0)]
     others = [
         collect(engine, "abc", max_new_tokens=40, seed=i, stop_on_eos=False, **m) for i, m in enumerate(mates)
     ]
@@ -153,7 +178,7 @@ async def test_a_request_draws_the_same_tokens_alone_and_beside_others(
 async def test_an_engine_generates_the_same_tokens_with_either_sampler(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    params = dict(max_new_tokens=40, temperature=1.3, top_p=0.9, stop_on_eos=False)
+    params = dict(max_new_tokens=40, temperature=1.3, top_k=12, top_p=0.9, min_p=0.02, stop_on_eos=False)
     prompts = ["Hello there", "abc", "q r s", "Z"]
     engine = make_engine(max_seqs=4)
 
