@@ -206,11 +206,17 @@ def hf_model(ckpt: Checkpoint) -> Any:
 
 
 @torch.inference_mode()
-def bench_hf(model: Any, conc: int, prompts: list[list[int]], new: int) -> Run:
+def bench_hf(
+    model: Any, conc: int, prompts: list[list[int]], new: int, params: dict[str, Any] | None = None
+) -> Run:
+    """HF generate: greedy, or sampled with `params` (temperature, top_k, top_p, min_p: the
+    engine's names; top_k 0 when not given, since generate() would otherwise add its default 50)."""
     ids = torch.tensor(prompts[:conc], dtype=torch.long)
+    sampling: dict[str, Any] = {"do_sample": False}
+    if params and params.get("temperature", 0) > 0:
+        sampling = {"do_sample": True, "top_k": 0, **params}
     kwargs = dict(
-        attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, eos_token_id=None,
-        use_cache=True,
+        attention_mask=torch.ones_like(ids), pad_token_id=0, eos_token_id=None, use_cache=True, **sampling
     )
     model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm-up
     t0 = time.perf_counter()

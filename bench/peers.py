@@ -103,7 +103,7 @@ def _handle(request: tuple[Any, ...], peer: str, ckpt: Any, prompts: list[list[i
     if "hf" not in state:
         state["hf"] = bench.hf_model(ckpt)  # (model, exported directory)
     if peer == "hf":
-        return bench.bench_hf(state["hf"][0], conc, prompts, new)
+        return bench.bench_hf(state["hf"][0], conc, prompts, new, *extra)
     from bench.llama_peer import bench_llama
 
     return bench_llama(state["hf"][1], ckpt, conc, prompts, new, threads)
