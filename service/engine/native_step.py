@@ -27,6 +27,7 @@ import ctypes
 import importlib.machinery
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -178,12 +179,38 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.ns_set_isa.restype = ctypes.c_int
     lib.ns_set_isa.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.ns_sample.restype = ctypes.c_int
-    lib.ns_sample.argtypes = [ptr, num, num, ptr, ptr, ptr, ptr, ptr, ptr, ptr, num]
+    lib.ns_sample.argtypes = [ptr, num, num, ptr, ptr, ptr, ptr, ptr, ptr, ptr, num, ptr]
     for name, args in (("ns_tiles_only", [ctypes.c_void_p]), ("ns_tiles_possible", [ctypes.c_void_p]),
                        ("ns_tile_linear", [ctypes.c_void_p, ctypes.c_int])):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = args
     return lib
+
+
+@dataclass
+class SamplePenalties:
+    """The repetition, frequency and presence penalties of NativeStep.sample's rows: per slot,
+    whether each token was seen (prompt and generated) and how often it was generated, and each
+    row's slot and factors (repetition 1, frequency and presence 0: none)."""
+
+    seen: torch.Tensor  # (slots, V) bool
+    counts: torch.Tensor  # (slots, V) int32
+    slots: list[int]
+    repetition: list[float]
+    frequency: list[float]
+    presence: list[float]
+
+    def arrays(self, rows: int, vocab: int) -> list[torch.Tensor]:
+        """The six arrays native/sampler.h reads, checked (it indexes raw memory with slots)."""
+        seen, counts = self.seen, self.counts
+        if not (seen.dtype == torch.bool and counts.dtype == torch.int32 and seen.is_contiguous()
+                and counts.is_contiguous() and seen.shape == counts.shape and seen.shape[1] == vocab):
+            raise ValueError("native sample: seen (slots, V) bool and counts (slots, V) int32, contiguous")
+        columns = (self.slots, self.repetition, self.frequency, self.presence)
+        if any(len(c) != rows for c in columns) or not all(0 <= s < len(seen) for s in self.slots):
+            raise ValueError("native sample: a slot and three factors per row, slots within the cache")
+        return [seen, counts, torch.tensor(self.slots, dtype=torch.int64),
+                *(torch.tensor(c, dtype=torch.float32) for c in columns[1:])]
 
 
 class NativeStep:
@@ -302,18 +329,22 @@ class NativeStep:
 
     def sample(
         self, logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
-        min_p: list[float], uniform: list[float], out: torch.Tensor,
+        min_p: list[float], uniform: list[float], out: torch.Tensor, penalties: SamplePenalties | None = None,
     ) -> None:
         """Draws out[r] (int64) for each row r of `logits` (N, V), float32 and contiguous on the
-        CPU, whose temperature is above 0: temperature, top_k (0: off), top_p (1: off), min_p (0:
-        off), then inverse-CDF sampling with uniform[r], the rules of model/sampling.py's
-        whole-vocabulary path (native/sampler.h says what may differ); the other rows' out is left
-        as it is."""
+        CPU, whose temperature is above 0: the penalties (if given), temperature, top_k (0: off),
+        top_p (1: off), min_p (0: off), then inverse-CDF sampling with uniform[r], the rules of
+        model/sampling.py's whole-vocabulary path (native/sampler.h says what may differ); the
+        other rows' out is left as it is."""
         n, v = logits.shape
         columns = (temperature, top_k, top_p, min_p, uniform)
         if not (logits.dtype == torch.float32 and logits.is_contiguous() and out.dtype == torch.int64
                 and out.is_contiguous() and len(out) == n and all(len(c) == n for c in columns)):
             raise ValueError("native sample: (N, V) float32 logits; N of each parameter; N int64 outs")
+        pen, keep = None, []
+        if penalties is not None:
+            keep = penalties.arrays(n, v)
+            pen = (ctypes.c_void_p * 6)(*(a.data_ptr() for a in keep))
         t = torch.tensor(temperature, dtype=torch.float32)
         k = torch.tensor(top_k, dtype=torch.int64)
         p, mp, u = (torch.tensor(c, dtype=torch.float64) for c in (top_p, min_p, uniform))
@@ -321,8 +352,9 @@ class NativeStep:
         threads = max(1, min(torch.get_num_threads(), self.max_threads)) if n * v >= 1 << 16 else 1
         args = (logits.data_ptr(), t.data_ptr(), k.data_ptr(), p.data_ptr(), mp.data_ptr(), u.data_ptr(),
                 out.data_ptr())
-        if self._lib.ns_sample(self._handle, n, v, *args, threads):
+        if self._lib.ns_sample(self._handle, n, v, *args, threads, pen):
             raise MemoryError("native sample: no scratch memory")
+        del keep  # (the arrays the library read, alive until here)
 
     def __del__(self) -> None:
         handle, self._handle = getattr(self, "_handle", None), None

@@ -26,7 +26,7 @@ from model.sampling import (
 )
 from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
-from service.engine.native_step import NativeStep, release_weights
+from service.engine.native_step import NativeStep, SamplePenalties, release_weights
 from service.engine.request import Request
 from service.engine.threads import ThreadTuner
 
@@ -269,14 +269,15 @@ class ModelRunner:
 
     def _draw(self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
         """Each row's token: rows the native sampler takes (native_sampler_takes) are drawn by it,
-        rows with typical_p or a penalty by model/sampling.py's sample_tokens, and
-        greedy rows without a penalty keep their argmax. The way depends only on the row's own
+        rows with typical_p and greedy rows with a penalty by model/sampling.py's sample_tokens,
+        and greedy rows without a penalty keep their argmax. The way depends only on the row's own
         parameters, so a request draws the same tokens alone or beside any others."""
         tokens = greedy.clone()
         natively = [self.native_sampler_takes(r, logits) for r in reqs]
         if any(natively):
             assert self.native_step is not None
             ps = [r.params for r in reqs]
+            penal = [j for j, r in enumerate(reqs) if natively[j] and _uses_penalties(r)]
             self.native_step.sample(
                 logits,
                 [p.temperature if n else 0.0 for p, n in zip(ps, natively, strict=True)],
@@ -285,7 +286,14 @@ class ModelRunner:
                 [p.min_p or 0.0 for p in ps],
                 [seeded_uniform(r.seed, len(r.generated)) for r in reqs],
                 tokens,
+                SamplePenalties(
+                    self.seen, self.counts, [r.slot for r in reqs],
+                    [p.repetition_penalty or 1.0 for p in ps], [p.frequency_penalty for p in ps],
+                    [p.presence_penalty for p in ps],
+                ) if penal else None,
             )
+            if penal:
+                self._record([reqs[j] for j in penal], tokens[penal])
         rows = [j for j, (r, n) in enumerate(zip(reqs, natively, strict=True))
                 if not n and (r.params.temperature > 0 or _uses_penalties(r))]
         if len(rows) == len(reqs):
@@ -295,12 +303,13 @@ class ModelRunner:
         return tokens
 
     def native_sampler_takes(self, req: Request, logits: torch.Tensor) -> bool:
-        """Whether the native step's sampler draws this row: sampled with temperature, top_k,
-        top_p and min_p only (no typical_p or penalty), CPU float32 logits."""
+        """Whether the native step's sampler draws this row: sampled (temperature above 0) without
+        typical_p, on CPU float32 logits; penalties, top_k, top_p and min_p are its own."""
         p = req.params
         return (
             self.native_step is not None and logits.dtype == torch.float32 and logits.is_contiguous()
-            and p.temperature > 0 and (p.typical_p is None or p.typical_p >= 1) and not _uses_penalties(req)
+            and self.seen.device.type == "cpu" and p.temperature > 0
+            and (p.typical_p is None or p.typical_p >= 1)
         )
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:

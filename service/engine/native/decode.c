@@ -587,10 +587,13 @@ void ns_step(void *model, int rows, const int64_t *tok, const int64_t *pos, cons
 
 /* A token for each of `rows` rows of `vocab` float32 logits whose temperature is above 0, drawn as
  * sampler.h says with its top_k (0: off), top_p (1: off), min_p (0: off) and uniform number;
- * out[r] of the other rows is left as it is. On `threads` threads, rows dealt out in turn. 0, or
- * -1 when no scratch could be had. */
+ * out[r] of the other rows is left as it is. pen: NULL (no penalties), or seen (slots, vocab)
+ * bytes, counts (slots, vocab) int32, each row's slot (int64), repetition, frequency and presence
+ * factors (float32 each). On `threads` threads, rows dealt out in turn. 0, or -1 when no scratch
+ * could be had. */
 int ns_sample(void *model, int rows, int vocab, const float *logits, const float *temperature, const int64_t *top_k,
-              const double *top_p, const double *min_p, const double *uniform, int64_t *out, int threads) {
+              const double *top_p, const double *min_p, const double *uniform, int64_t *out, int threads,
+              const void *const *pen) {
     Model *m = model;
     if (threads > rows) threads = rows;
     if (threads < 1) threads = 1;
@@ -601,8 +604,13 @@ int ns_sample(void *model, int rows, int vocab, const float *logits, const float
         m->smp_bytes = m->smp ? need : 0;
         if (!m->smp) return -1;
     }
-    SampleJob job = {m,     logits, rows,   vocab, !m->parallel || threads <= 1, temperature, top_k, top_p, min_p,
-                     uniform, out,   m->smp, each};
+    SampleJob job = {.m = m, .logits = logits, .rows = rows, .vocab = vocab, .serial = !m->parallel || threads <= 1,
+                     .temperature = temperature, .top_k = top_k, .top_p = top_p, .min_p = min_p,
+                     .uniform = uniform, .out = out, .scratch = m->smp, .each = each};
+    if (pen) {
+        job.seen = pen[0], job.counts = pen[1], job.slot = pen[2];
+        job.repetition = pen[3], job.frequency = pen[4], job.presence = pen[5];
+    }
     if (job.serial)
         sample_thread(&job);
     else

@@ -1,8 +1,8 @@
 /* Part of decode.c, which includes it once (see attention.h). Drawing each row's next token from
  * its logits in one call: temperature, top_k, top_p, min_p, then inverse-CDF sampling, the rules
  * and the order of model/sampling.py's whole-vocabulary path (sample_tokens with candidates off:
- * apply_filters, sample_from_logits), for rows that use nothing else (typical_p and the penalties
- * stay there).
+ * apply_penalties, apply_filters, sample_from_logits) with the repetition, frequency and presence
+ * penalties first, for rows that use nothing else (typical_p stays there).
  *
  * Why here and not in torch: that path is some twenty torch operations over (rows, vocab), each
  * releasing the GIL and most allocating (rows, vocab) temporaries; at GPT-2's 50,257 tokens and 32
@@ -31,6 +31,12 @@ typedef struct {
     const float *temperature; /* per row; rows with 0 (greedy) are skipped */
     const int64_t *top_k;             /* 0, or the vocabulary or more: off */
     const double *top_p, *min_p, *uniform; /* top_p 1, min_p 0: off */
+    /* Penalties (NULL: none in the batch): per slot (slots, vocab) whether each token was seen
+     * (prompt and generated) and how often generated; each row's slot and factors (1 / 0: off). */
+    const uint8_t *seen;
+    const int32_t *counts;
+    const int64_t *slot;
+    const float *repetition, *frequency, *presence;
     int64_t *out;
     char *scratch;
     size_t each; /* scratch bytes per thread */
@@ -117,6 +123,25 @@ static double exp_sum(const Model *m, const float *s, int n, float best, float *
         sum += e[i];
     }
     return sum;
+}
+
+/* The penalties of one row, into `out` (a copy of its logits), as model/sampling.py's
+ * apply_penalties computes them in float32: a seen token's logit divided by the repetition factor
+ * (multiplied when negative), then count * frequency and presence subtracted from a generated
+ * one's. Returns `out`, or the logits themselves when the row has no penalty. */
+static const float *penalised(const SampleJob *job, int r, const float *z, int v, float *out) {
+    if (!job->seen) return z;
+    const float rep = job->repetition[r], freq = job->frequency[r], pres = job->presence[r];
+    if (rep == 1.0f && freq == 0.0f && pres == 0.0f) return z;
+    const uint8_t *seen = job->seen + (size_t)job->slot[r] * v;
+    const int32_t *counts = job->counts + (size_t)job->slot[r] * v;
+    for (int i = 0; i < v; i++) {
+        float x = z[i];
+        if (rep != 1.0f && seen[i]) x = x < 0.0f ? x * rep : x / rep;
+        if (counts[i] > 0) x = x - (float)counts[i] * freq - pres;
+        out[i] = x;
+    }
+    return out;
 }
 
 /* The k-th largest of v scores, for a k much smaller than v: a min-heap of the k largest seen,
@@ -257,7 +282,7 @@ static void sample_thread(void *arg) {
         /* HF's order, as apply_filters: temperature, top_k, top_p, min_p; each on what the
          * previous left. top_k first keeps its tokens (in vocabulary order, `idx`), so the rest
          * runs on those alone. */
-        const float best = scale_max(m, job->logits + (size_t)r * v, v, t, all);
+        const float best = scale_max(m, penalised(job, r, job->logits + (size_t)r * v, v, all), v, t, all);
         const float *s = all;
         int n = v;
         const int64_t k = job->top_k[r];

@@ -13,7 +13,7 @@ from model.config import GPTConfig
 from model.gpt import GPT
 from model.sampling import SamplingBatch, sample_tokens
 from service.engine.kv_slots import SpanKVCache
-from service.engine.native_step import NativeStep
+from service.engine.native_step import NativeStep, SamplePenalties
 from service.engine.runner import ModelRunner
 from service.engine.types import SamplingParams
 from tests.service.engine.conftest import EngineFactory, collect, token_ids
@@ -103,6 +103,46 @@ def test_the_native_sampler_draws_what_sample_tokens_draws(native: NativeStep) -
     assert drawn > 130  # 24 cases x 8 rows, a fifth of them greedy
 
 
+def test_the_native_sampler_applies_the_penalties_as_sample_tokens_does(native: NativeStep) -> None:
+    # Repetition (dividing positive logits, multiplying negative ones), frequency and presence
+    # penalties from per-slot seen flags and counts, rows sharing slots, beside the filters.
+    g = torch.Generator().manual_seed(14)
+    for width in (97, 4096, 50257):
+        slots, n = 5, 8
+        seen = torch.rand(slots, width, generator=g) < 0.3
+        counts = torch.randint(0, 4, (slots, width), generator=g, dtype=torch.int32) * seen
+        scale = torch.tensor([[0.5], [1.0], [2.0], [3.0], [1.0], [4.0], [0.3], [2.0]])
+        x = torch.randn(n, width, generator=g) * scale
+        slot = [0, 1, 2, 3, 4, 0, 2, 4]
+        rep = [1.3, 1.0, 0.8, 1.5, 1.0, 1.2, 2.0, 1.0]
+        freq = [0.0, 0.5, 0.0, 0.3, 0.0, 1.0, 0.2, 0.0]
+        pres = [0.0, 0.7, 0.0, 0.0, 0.4, 0.5, 0.0, 0.0]
+        temps = [1.0, 0.8, 1.2, 0.0, 1.0, 0.7, 1.5, 1.1]
+        top_k = [0, 0, 40, 0, 5, 0, 0, 0]
+        top_p = [1.0, 0.9, 1.0, 0.95, 1.0, 0.8, 1.0, 1.0]
+        min_p = [0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.0]
+        uniform = torch.rand(n, generator=g, dtype=torch.float64).tolist()
+        out = torch.full((n,), -1, dtype=torch.int64)
+        native.sample(x, temps, top_k, top_p, min_p, uniform, out,
+                      SamplePenalties(seen, counts, slot, rep, freq, pres))
+
+        def col(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32).view(-1, 1)
+
+        ks = [k if k else width for k in top_k]
+        batch = SamplingBatch(
+            temperature=col(temps), greedy=torch.tensor([t == 0 for t in temps]),
+            uniform=torch.tensor(uniform, dtype=torch.float64), top_k=torch.tensor(ks).view(-1, 1),
+            top_k_max=max(ks), top_p=col(top_p), min_p=col(min_p), repetition_penalty=col(rep),
+            frequency_penalty=col(freq), presence_penalty=col(pres), any_greedy=True,
+        )
+        index = torch.tensor(slot)
+        expected = sample_tokens(x, batch, seen=seen[index], counts=counts[index])
+        sampled = torch.tensor([t > 0 for t in temps])
+        assert torch.equal(out[sampled], expected[sampled]), f"width {width}"
+        assert (out[~sampled] == -1).all()
+
+
 def test_a_uniform_number_on_a_boundary_takes_the_next_token(native: NativeStep) -> None:
     # Four tied tokens (probability 1/4 each, sums exact): u = k/4 lands exactly on the k-th
     # boundary of the CDF, and inverse-CDF sampling takes the first token whose CDF passes it.
@@ -140,10 +180,9 @@ async def test_the_runner_samples_natively_only_what_the_native_sampler_does(
         return runner.native_sampler_takes(req, logits)  # type: ignore[arg-type]
 
     assert takes(temperature=0.7) and takes(temperature=1.0, top_p=0.9, top_k=5, min_p=0.1)
-    assert not takes(temperature=0.0)  # greedy rows keep their argmax
-    for other in ({"typical_p": 0.9}, {"repetition_penalty": 1.2}, {"frequency_penalty": 0.5},
-                  {"presence_penalty": 0.5}):
-        assert not takes(temperature=1.0, **other), other
+    assert takes(temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5)
+    assert not takes(temperature=0.0)  # greedy rows keep their argmax (or take torch's, penalised)
+    assert not takes(temperature=1.0, typical_p=0.9)
     assert not takes(logits.double(), temperature=1.0)
 
 
@@ -151,7 +190,7 @@ async def test_a_request_draws_the_same_tokens_alone_and_beside_others(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Its rows are drawn natively whatever its batch mates need (typical_p, a penalty, greedy):
-    # the sampler is handed its temperature and a 0 (skip) for each of theirs.
+    # the sampler is handed its temperature and a 0 (skip) for each mate it does not draw.
     handed: list[list[float]] = []
     sample = NativeStep.sample
 
@@ -164,14 +203,14 @@ async def test_a_request_draws_the_same_tokens_alone_and_beside_others(
     engine = make_engine(max_seqs=8)
     alone = token_ids(await collect(engine, "Hello there", **params))
     mates = [dict(typical_p=0.8, temperature=0.9), dict(frequency_penalty=0.5, temperature=1.1),
-             dict(temperature=0.0), dict(repetition_penalty=1.3, temperature=1.0)]
+             dict(temperature=0.0), dict(repetition_penalty=1.3, temperature=0.0)]
     others = [
         collect(engine, "abc", max_new_tokens=40, seed=i, stop_on_eos=False, **m) for i, m in enumerate(mates)
     ]
     results = await asyncio.gather(collect(engine, "Hello there", **params), *others)
     assert token_ids(results[0]) == alone
     assert len(set(alone)) > 5
-    assert {t for temps in handed for t in temps} == {0.0, 1.3}
+    assert {t for temps in handed for t in temps} == {0.0, 1.1, 1.3}  # 1.1: the penalised mate
     assert max(len(temps) for temps in handed) == 5  # batched with its four mates
 
 
@@ -179,11 +218,14 @@ async def test_an_engine_generates_the_same_tokens_with_either_sampler(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     params = dict(max_new_tokens=40, temperature=1.3, top_k=12, top_p=0.9, min_p=0.02, stop_on_eos=False)
+    penalised = dict(params, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
     prompts = ["Hello there", "abc", "q r s", "Z"]
     engine = make_engine(max_seqs=4)
 
     async def run() -> list[list[int]]:
-        return [token_ids(await collect(engine, p, seed=i, **params)) for i, p in enumerate(prompts)]
+        # Penalised requests too: their seen tokens and counts must follow either way.
+        return [token_ids(await collect(engine, p, seed=i, **(penalised if i % 2 else params)))
+                for i, p in enumerate(prompts)]
 
     native = await run()
     monkeypatch.setattr(ModelRunner, "native_sampler_takes", lambda *_: False)
