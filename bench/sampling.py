@@ -15,8 +15,8 @@ Variants, alternating, median of `--steps` calls per round, best round kept:
     TemperatureLogitsWarper, TopK/TopP/MinP/TypicalLogitsWarper), softmax and
     `torch.multinomial`, as `generate(do_sample=True)` samples;
   - native: the engine's native sampler (service/engine/native/sampler.h), which the runner uses
-    for rows with temperature, top_k, top_p and min_p only (so for those settings it is what the
-    engine runs); its picks are compared with the whole vocabulary's and the differences counted.
+    for every sampled row without typical_p (so for those settings it is what the engine runs);
+    its picks are compared with the whole vocabulary's and the differences counted.
 Settings include typical_p (every token, always) and a repetition penalty over 256 random tokens
 of context per row.
 With --engine instead: the engine itself at GPT-2's shape (124M random weights, the tied embedding
@@ -115,13 +115,13 @@ def hf_sampler(params: dict[str, float], context: torch.Tensor) -> Callable[[tor
     return sample
 
 
-def native_sampler() -> Callable[[torch.Tensor, SamplingBatch], torch.Tensor] | None:
+def native_sampler() -> Callable[[torch.Tensor, SamplingBatch, torch.Tensor], torch.Tensor] | None:
     """The engine's native sampler (service/engine/native/sampler.h) as the runner calls it, or
     None where the library is not built. Only for settings it takes (temperature, top_p)."""
     from model.config import GPTConfig
     from model.gpt import GPT
     from service.engine.kv_slots import SpanKVCache
-    from service.engine.native_step import NativeStep, library_path
+    from service.engine.native_step import NativeStep, SamplePenalties, library_path
 
     if library_path() is None:
         return None
@@ -129,7 +129,7 @@ def native_sampler() -> Callable[[torch.Tensor, SamplingBatch], torch.Tensor] | 
     cache = SpanKVCache(cfg.n_layer, 1, cfg.n_head, cfg.block_size, cfg.head_dim, torch.float32, "cpu")
     step = NativeStep(GPT(cfg).eval(), cache, max_threads=torch.get_num_threads())
 
-    def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def sample(logits: torch.Tensor, batch: SamplingBatch, seen: torch.Tensor) -> torch.Tensor:
         rows = len(logits)
 
         def column(t: torch.Tensor | None, off: float) -> list[float]:
@@ -137,15 +137,21 @@ def native_sampler() -> Callable[[torch.Tensor, SamplingBatch], torch.Tensor] | 
 
         out = torch.zeros(rows, dtype=torch.int64)
         top_k = [int(k) for k in column(batch.top_k, 0)]
+        penalties = None
+        if batch.repetition_penalty is not None:  # one slot a row, as the runner's per-slot state
+            zero = [0.0] * rows
+            penalties = SamplePenalties(seen.contiguous(), torch.zeros(seen.shape, dtype=torch.int32),
+                                        list(range(rows)), column(batch.repetition_penalty, 1.0), zero, zero)
         step.sample(logits, column(batch.temperature, 1.0), top_k, column(batch.top_p, 1.0),
-                    column(batch.min_p, 0.0), batch.uniform.tolist(), out)
+                    column(batch.min_p, 0.0), batch.uniform.tolist(), out, penalties)
         return out
 
     return sample
 
 
-# What the runner samples natively (temperature, top_k, top_p, min_p; not typical_p or penalties).
-NATIVE_SETTINGS = ("top_p 0.9", "top_p 0.95", "min_p 0.05", "top_k 40, top_p 0.95", "temperature only")
+# What the runner samples natively: every setting but typical_p.
+NATIVE_SETTINGS = ("top_p 0.9", "top_p 0.95", "min_p 0.05", "top_k 40, top_p 0.95",
+                   "top_k 40, repetition 1.1", "temperature only")
 
 
 def describe(logits: torch.Tensor) -> tuple[float, float]:
@@ -178,8 +184,8 @@ def run(rows_list: list[int], vocab: int, steps: int, rounds: int) -> list[dict[
                 }
                 differ = None
                 if native is not None and setting in NATIVE_SETTINGS:
-                    variants["native"] = lambda: native(logits, full)  # noqa: B023
-                    differ = int((native(logits, full) != sample_tokens(logits, full, seen)).sum())
+                    variants["native"] = lambda: native(logits, full, seen)  # noqa: B023
+                    differ = int((native(logits, full, seen) != sample_tokens(logits, full, seen)).sum())
                 seconds = best_median_s(variants, steps, rounds)
                 ms = {name: 1e3 * s for name, s in seconds.items()}
                 out.append({"rows": rows, "distribution": dist, "entropy": entropy, "head_mass": head,
@@ -272,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{meta['machine']['torch']}, {args.threads} threads; {meta['utc']}; vocabulary {args.vocab}; "
           f"load before/after {meta['load_before']} / {meta['load_after']}. Milliseconds per call "
           f"(best of {args.rounds} rounds' medians); every candidates pick equalled the whole "
-          f"vocabulary's; native: the engine's sampler for the settings it takes (temperature, "
-          f"top_k, top_p, min_p), picks differing from the whole vocabulary's: "
+          f"vocabulary's; native: the engine's sampler for the settings it takes (all but "
+          f"typical_p), picks differing from the whole vocabulary's: "
           f"{differing(results)}.\n\n"
           + table(results) + "\n")
     print(md)
