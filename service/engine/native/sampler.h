@@ -1,14 +1,15 @@
 /* Part of decode.c, which includes it once (see attention.h). Drawing each row's next token from
- * its logits in one call: temperature, top_k, top_p, min_p, then inverse-CDF sampling, the rules
- * and the order of model/sampling.py's whole-vocabulary path (sample_tokens with candidates off:
- * apply_penalties, apply_filters, sample_from_logits) with the repetition, frequency and presence
- * penalties first, for rows that use nothing else (typical_p stays there).
+ * its logits in one call: the repetition, frequency and presence penalties, temperature, top_k,
+ * top_p, min_p, then inverse-CDF sampling, the rules and the order of model/sampling.py's
+ * whole-vocabulary path (sample_tokens with candidates off: apply_penalties, apply_filters,
+ * sample_from_logits), for rows without typical_p (which stays there).
  *
  * Why here and not in torch: that path is some twenty torch operations over (rows, vocab), each
  * releasing the GIL and most allocating (rows, vocab) temporaries; at GPT-2's 50,257 tokens and 32
  * rows it took 13-18 ms of a 124M step of ~40 (AMD Zen 4, session 18), and at the shipped model's
- * 65 tokens the step's sampling was mostly GIL hand-offs to the event loop. Here a row is five
- * passes over its logits in the thread's cache, rows shared among the step's threads.
+ * 65 tokens the step's sampling was mostly GIL hand-offs to the event loop. Here a row is a few
+ * passes over its logits in the thread's cache (fewer past top_k, which keeps only its tokens),
+ * rows shared among the step's threads, and the GIL is released once for the whole call.
  *
  * What differs from torch: each token's exp is float32 (exp256, a few ulp from expf) where
  * top_p's mass is float64 there; sums are float64 either way. So a row's cuts and draw agree with
