@@ -334,8 +334,9 @@ class NativeStep:
         """Draws out[r] (int64) for each row r of `logits` (N, V), float32 and contiguous on the
         CPU, whose temperature is above 0: the penalties (if given), temperature, top_k (0: off),
         top_p (1: off), min_p (0: off), then inverse-CDF sampling with uniform[r], the rules of
-        model/sampling.py's whole-vocabulary path (native/sampler.h says what may differ); the
-        other rows' out is left as it is."""
+        model/sampling.py's whole-vocabulary path (native/sampler.h says what may differ). A row
+        of temperature 0 gets the first largest of its penalised logits (torch's max); the out of
+        rows below 0 is left as it is."""
         n, v = logits.shape
         columns = (temperature, top_k, top_p, min_p, uniform)
         if not (logits.dtype == torch.float32 and logits.is_contiguous() and out.dtype == torch.int64

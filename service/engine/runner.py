@@ -269,8 +269,8 @@ class ModelRunner:
 
     def _draw(self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
         """Each row's token: rows the native sampler takes (native_sampler_takes) are drawn by it,
-        rows with typical_p and greedy rows with a penalty by model/sampling.py's sample_tokens,
-        and greedy rows without a penalty keep their argmax. The way depends only on the row's own
+        rows with typical_p by model/sampling.py's sample_tokens, and greedy rows without a
+        penalty keep their argmax. The way depends only on the row's own
         parameters, so a request draws the same tokens alone or beside any others."""
         tokens = greedy.clone()
         natively = [self.native_sampler_takes(r, logits) for r in reqs]
@@ -280,7 +280,7 @@ class ModelRunner:
             penal = [j for j, r in enumerate(reqs) if natively[j] and _uses_penalties(r)]
             self.native_step.sample(
                 logits,
-                [p.temperature if n else 0.0 for p, n in zip(ps, natively, strict=True)],
+                [p.temperature if n else -1.0 for p, n in zip(ps, natively, strict=True)],  # -1: skip
                 [p.top_k or 0 for p in ps],
                 [p.top_p if p.top_p is not None else 1.0 for p in ps],
                 [p.min_p or 0.0 for p in ps],
@@ -304,12 +304,14 @@ class ModelRunner:
 
     def native_sampler_takes(self, req: Request, logits: torch.Tensor) -> bool:
         """Whether the native step's sampler draws this row: sampled (temperature above 0) without
-        typical_p, on CPU float32 logits; penalties, top_k, top_p and min_p are its own."""
+        typical_p, or greedy with a penalty (its argmax after the penalties), on CPU float32
+        logits; penalties, top_k, top_p and min_p are its own."""
         p = req.params
         return (
             self.native_step is not None and logits.dtype == torch.float32 and logits.is_contiguous()
-            and self.seen.device.type == "cpu" and p.temperature > 0
-            and (p.typical_p is None or p.typical_p >= 1)
+            and self.seen.device.type == "cpu"
+            and ((p.temperature > 0 and (p.typical_p is None or p.typical_p >= 1))
+                 or (p.temperature == 0 and _uses_penalties(req)))
         )
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:

@@ -586,8 +586,8 @@ void ns_step(void *model, int rows, const int64_t *tok, const int64_t *pos, cons
 }
 
 /* A token for each of `rows` rows of `vocab` float32 logits whose temperature is above 0, drawn as
- * sampler.h says with its top_k (0: off), top_p (1: off), min_p (0: off) and uniform number;
- * out[r] of the other rows is left as it is. pen: NULL (no penalties), or seen (slots, vocab)
+ * sampler.h says with its top_k (0: off), top_p (1: off), min_p (0: off) and uniform number; the
+ * argmax after the penalties for rows of temperature 0; out[r] of rows below 0 is left as it is. pen: NULL (no penalties), or seen (slots, vocab)
  * bytes, counts (slots, vocab) int32, each row's slot (int64), repetition, frequency and presence
  * factors (float32 each). On `threads` threads, rows dealt out in turn. 0, or -1 when no scratch
  * could be had. */

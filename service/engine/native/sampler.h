@@ -29,7 +29,7 @@ typedef struct {
     const Model *m;
     const float *logits;
     int rows, vocab, serial;
-    const float *temperature; /* per row; rows with 0 (greedy) are skipped */
+    const float *temperature; /* per row; 0: greedy (the argmax after the penalties); below 0: skipped */
     const int64_t *top_k;             /* 0, or the vocabulary or more: off */
     const double *top_p, *min_p, *uniform; /* top_p 1, min_p 0: off */
     /* Penalties (NULL: none in the batch): per slot (slots, vocab) whether each token was seen
@@ -279,6 +279,14 @@ static void sample_thread(void *arg) {
     int *idx = (int *)(top + v);
     for (int r = tid; r < job->rows; r += nt) {
         const float t = job->temperature[r];
+        if (t == 0.0f) { /* greedy: the first largest of the penalised logits (torch's max) */
+            const float *z = penalised(job, r, job->logits + (size_t)r * v, v, all);
+            int64_t best = 0;
+            for (int i = 1; i < v; i++)
+                if (z[i] > z[best]) best = i;
+            job->out[r] = best;
+            continue;
+        }
         if (!(t > 0.0f)) continue;
         /* HF's order, as apply_filters: temperature, top_k, top_p, min_p; each on what the
          * previous left. top_k first keeps its tokens (in vocabulary order, `idx`), so the rest

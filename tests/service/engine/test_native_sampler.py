@@ -42,6 +42,7 @@ def torch_draws(
 
     v = logits.shape[-1]
     ks = [k if 0 < k < v else v for k in top_k]
+    temps = [max(t, 0.0) for t in temps]  # (rows the native sampler skips: greedy here, unused)
     batch = SamplingBatch(
         temperature=col(temps), greedy=torch.tensor([t == 0 for t in temps]),
         uniform=torch.tensor(uniform, dtype=torch.float64), top_k=torch.tensor(ks).view(-1, 1),
@@ -76,10 +77,10 @@ def cases() -> list[torch.Tensor]:
 def test_the_native_sampler_draws_what_sample_tokens_draws(native: NativeStep) -> None:
     # Every row of every case, at temperatures around 1, with top_k (1, a few, 40, off; ties at
     # the k-th come with the rounded cases), top_p from a sliver to off and min_p, alone and
-    # together, and uniform numbers including 0 and the largest below 1; greedy rows are left as
-    # they were. The native exp is float32 (the torch path's top_p mass float64): a draw could
-    # differ only where a row's mass, ratio or uniform number lands within ~1e-6 of a boundary;
-    # none of these do.
+    # together, and uniform numbers including 0 and the largest below 1; greedy rows get the
+    # argmax, rows of temperature -1 are left as they were. The native exp is float32 (the torch
+    # path's top_p mass float64): a draw could differ only where a row's mass, ratio or uniform
+    # number lands within ~1e-6 of a boundary; none of these do.
     g = torch.Generator().manual_seed(12)
     top_ks = [0, 1, 5, 40, 0, 0, 3, 0, 0, 1000]
     top_ps = [0.3, 0.9, 0.5, 0.95, 1e-6, 0.99, 1.0, 0.7, 1.0]
@@ -87,7 +88,7 @@ def test_the_native_sampler_draws_what_sample_tokens_draws(native: NativeStep) -
     drawn = 0
     for i, x in enumerate(cases()):
         n = len(x)
-        temps = [0.0 if (r + i) % 5 == 0 else 0.4 + (r % 4) * 0.5 for r in range(n)]
+        temps = [(0.0, -1.0)[i % 2] if (r + i) % 5 == 0 else 0.4 + (r % 4) * 0.5 for r in range(n)]
         top_k = [top_ks[(r + 3 * i) % len(top_ks)] for r in range(n)]
         top_p = [top_ps[(r + i) % len(top_ps)] for r in range(n)]
         min_p = [min_ps[(r + 2 * i) % len(min_ps)] for r in range(n)]
@@ -96,11 +97,11 @@ def test_the_native_sampler_draws_what_sample_tokens_draws(native: NativeStep) -
         out = torch.full((n,), -1, dtype=torch.int64)
         native.sample(x.contiguous(), temps, top_k, top_p, min_p, uniform, out)
         expected = torch_draws(x, temps, top_k, top_p, min_p, uniform)
-        sampled = torch.tensor([t > 0 for t in temps])
-        assert torch.equal(out[sampled], expected[sampled]), f"case {i}, width {x.shape[-1]}"
-        assert (out[~sampled] == -1).all()
-        drawn += int(sampled.sum())
-    assert drawn > 130  # 24 cases x 8 rows, a fifth of them greedy
+        drawn_here = torch.tensor([t >= 0 for t in temps])
+        assert torch.equal(out[drawn_here], expected[drawn_here]), f"case {i}, width {x.shape[-1]}"
+        assert (out[~drawn_here] == -1).all()
+        drawn += int(drawn_here.sum())
+    assert drawn > 160  # 24 cases x 8 rows, a tenth of them skipped
 
 
 def test_the_native_sampler_applies_the_penalties_as_sample_tokens_does(native: NativeStep) -> None:
@@ -117,7 +118,7 @@ def test_the_native_sampler_applies_the_penalties_as_sample_tokens_does(native: 
         rep = [1.3, 1.0, 0.8, 1.5, 1.0, 1.2, 2.0, 1.0]
         freq = [0.0, 0.5, 0.0, 0.3, 0.0, 1.0, 0.2, 0.0]
         pres = [0.0, 0.7, 0.0, 0.0, 0.4, 0.5, 0.0, 0.0]
-        temps = [1.0, 0.8, 1.2, 0.0, 1.0, 0.7, 1.5, 1.1]
+        temps = [1.0, 0.8, 1.2, 0.0, 1.0, 0.7, 1.5, -1.0]  # 0: greedy, penalised; -1: skipped
         top_k = [0, 0, 40, 0, 5, 0, 0, 0]
         top_p = [1.0, 0.9, 1.0, 0.95, 1.0, 0.8, 1.0, 1.0]
         min_p = [0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.0]
@@ -138,9 +139,9 @@ def test_the_native_sampler_applies_the_penalties_as_sample_tokens_does(native: 
         )
         index = torch.tensor(slot)
         expected = sample_tokens(x, batch, seen=seen[index], counts=counts[index])
-        sampled = torch.tensor([t > 0 for t in temps])
-        assert torch.equal(out[sampled], expected[sampled]), f"width {width}"
-        assert (out[~sampled] == -1).all()
+        drawn = torch.tensor([t >= 0 for t in temps])
+        assert torch.equal(out[drawn], expected[drawn]), f"width {width}"
+        assert (out[~drawn] == -1).all()
 
 
 def test_a_uniform_number_on_a_boundary_takes_the_next_token(native: NativeStep) -> None:
@@ -181,7 +182,8 @@ async def test_the_runner_samples_natively_only_what_the_native_sampler_does(
 
     assert takes(temperature=0.7) and takes(temperature=1.0, top_p=0.9, top_k=5, min_p=0.1)
     assert takes(temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5)
-    assert not takes(temperature=0.0)  # greedy rows keep their argmax (or take torch's, penalised)
+    assert not takes(temperature=0.0)  # greedy rows keep the max pass's argmax
+    assert takes(temperature=0.0, repetition_penalty=1.2)  # unless a penalty moves it
     assert not takes(temperature=1.0, typical_p=0.9)
     assert not takes(logits.double(), temperature=1.0)
 
@@ -190,7 +192,7 @@ async def test_a_request_draws_the_same_tokens_alone_and_beside_others(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Its rows are drawn natively whatever its batch mates need (typical_p, a penalty, greedy):
-    # the sampler is handed its temperature and a 0 (skip) for each mate it does not draw.
+    # the sampler is handed its temperature and a -1 (skip) for each mate it does not draw.
     handed: list[list[float]] = []
     sample = NativeStep.sample
 
@@ -210,7 +212,8 @@ async def test_a_request_draws_the_same_tokens_alone_and_beside_others(
     results = await asyncio.gather(collect(engine, "Hello there", **params), *others)
     assert token_ids(results[0]) == alone
     assert len(set(alone)) > 5
-    assert {t for temps in handed for t in temps} == {0.0, 1.1, 1.3}  # 1.1: the penalised mate
+    # 1.1 and 0.0: the penalised mates, sampled and greedy; -1: the typical_p and plain greedy ones.
+    assert {t for temps in handed for t in temps} == {-1.0, 0.0, 1.1, 1.3}
     assert max(len(temps) for temps in handed) == 5  # batched with its four mates
 
 
@@ -219,12 +222,14 @@ async def test_an_engine_generates_the_same_tokens_with_either_sampler(
 ) -> None:
     params = dict(max_new_tokens=40, temperature=1.3, top_k=12, top_p=0.9, min_p=0.02, stop_on_eos=False)
     penalised = dict(params, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
-    prompts = ["Hello there", "abc", "q r s", "Z"]
+    greedy = dict(penalised, temperature=0.0)
+    prompts = ["Hello there", "abc", "q r s", "Z", "xyz"]
     engine = make_engine(max_seqs=4)
 
     async def run() -> list[list[int]]:
-        # Penalised requests too: their seen tokens and counts must follow either way.
-        return [token_ids(await collect(engine, p, seed=i, **(penalised if i % 2 else params)))
+        # Penalised requests too, sampled and greedy: their seen tokens and counts must follow
+        # either way.
+        return [token_ids(await collect(engine, p, seed=i, **[params, penalised, greedy][i % 3]))
                 for i, p in enumerate(prompts)]
 
     native = await run()
