@@ -86,11 +86,12 @@ def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor, tail: torch.Tensor | N
     `logits` may be a row's most likely tokens only (sample_tokens' candidates): `tail` (N, 1) is
     then the log of the probability mass of the tokens not among them (-inf: none).
 
-    The mass is summed in float64 from the most likely token down, so it is the same sum whether
-    `logits` holds the whole vocabulary or only its head. Tied tokens stay or go together (the
-    mass above a tie is the mass above the first of them, however a sort orders them), so what
-    stays is every token at least as likely as the last one the rule keeps. (HF sums in float32
-    from the least likely token up: the same rule, with up to ~1e-6 of rounding at 50k tokens.)"""
+    The mass is summed in float64 from the most likely token down (on rows of 4,096 tokens or
+    more bucket by bucket first, model/nucleus.py: the same sum to ~1e-15), so a row's head and
+    its whole vocabulary cut at the same token. Tied tokens stay or go together (the mass above a
+    tie is the mass above the first of them, however a sort orders them), so what stays is every
+    token at least as likely as the last one the rule keeps. (HF sums in float32 from the least
+    likely token up: the same rule, with up to ~1e-6 of rounding at 50k tokens.)"""
     lse = logits.logsumexp(dim=-1, keepdim=True)
     if tail is not None:
         lse = torch.logaddexp(lse, tail)
