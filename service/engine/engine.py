@@ -42,7 +42,7 @@ from service.engine.types import (
     SamplingParams,
     TokenEvent,
 )
-from service.engine.validation import crop_prompt, validate_ids, validate_params
+from service.engine.validation import crop_prompt, effective_params, validate_ids, validate_params
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,7 @@ class Engine:
             raise NotReady("the engine is shutting down")
         vocab = self.tokenizer.vocab_size
         validate_params(params, vocab)
+        params = effective_params(params)
         if isinstance(prompt, str):
             ids, text = self.encode(prompt), prompt
         else:

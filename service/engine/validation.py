@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from service.engine.types import InvalidRequest, PromptTooLong, SamplingParams
@@ -32,6 +33,17 @@ def _positive_int(name: str, value: int | None, allow_zero: bool = False) -> Non
     if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
         kind = "a non-negative" if allow_zero else "a positive"
         raise InvalidRequest(f"{name} must be {kind} integer, got {value!r}", param=name)
+
+
+# Below this a temperature samples the argmax anyway, and logits / temperature overflows float32
+# (from ~1e-37 at logits of ~10: either sampler then drew nonsense), so such requests decode
+# greedily. vLLM's threshold.
+GREEDY_BELOW = 1e-5
+
+
+def effective_params(p: SamplingParams) -> SamplingParams:
+    """The parameters the engine runs: a temperature above 0 but below GREEDY_BELOW is greedy."""
+    return dataclasses.replace(p, temperature=0.0) if 0 < p.temperature < GREEDY_BELOW else p
 
 
 def validate_params(p: SamplingParams, vocab_size: int) -> None:

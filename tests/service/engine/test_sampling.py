@@ -33,6 +33,7 @@ from model.sampling import (
 from service.engine.inbox import Inbox
 from service.engine.request import Request
 from service.engine.types import SamplingParams
+from service.engine.validation import GREEDY_BELOW, effective_params
 from tests.service.engine.conftest import EngineFactory, collect, token_ids
 
 NEG = float("-inf")
@@ -345,6 +346,22 @@ async def test_seeded_sampling_same_alone_and_batched(make_engine: EngineFactory
     assert len(set(alone)) > 5  # really sampled, not a constant
     other = token_ids(await collect(engine, "Hello there", **{**params, "seed": 99}))
     assert other != alone
+
+
+@pytest.mark.parametrize("native", [True, False])
+async def test_a_temperature_too_low_to_sample_decodes_greedily(
+    make_engine: EngineFactory, native: bool
+) -> None:
+    # Below GREEDY_BELOW the engine decodes greedily: at 1e-45 logits / temperature overflowed
+    # float32 and each sampler drew nonsense (the native one random tokens, torch's one repeated
+    # token), where 1e-30 still gave the greedy tokens.
+    engine = make_engine(native_step=native)
+    params = dict(max_new_tokens=12, stop_on_eos=False)
+    greedy = token_ids(await collect(engine, "Hello there", temperature=0.0, **params))
+    for t in (1e-45, 1e-30, GREEDY_BELOW / 2):
+        assert token_ids(await collect(engine, "Hello there", temperature=t, seed=1, **params)) == greedy, t
+    assert effective_params(SamplingParams(temperature=GREEDY_BELOW)).temperature == GREEDY_BELOW
+    assert len(set(greedy)) > 3
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
