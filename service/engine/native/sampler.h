@@ -237,11 +237,10 @@ static double keep_from(const float *s, float *e, int v, float floor) {
     return sum;
 }
 
-/* min_p: zeroes e of the tokens less likely than min_p times the likeliest; returns the sum. */
+/* min_p: zeroes e of the tokens less likely than min_p times the likeliest; returns the sum.
+ * The likeliest token survives top_k and top_p, and its e is exp(best - best), exactly 1. */
 static double keep_likely(float *e, int v, double min_p) {
-    float most = 0.0f;
-    for (int i = 0; i < v; i++) most = e[i] > most ? e[i] : most;
-    const double floor = min_p * most;
+    const double floor = min_p;
     double sum = 0.0;
     for (int i = 0; i < v; i++) {
         if ((double)e[i] < floor) e[i] = 0.0f;

@@ -63,6 +63,11 @@ async def collect(engine: Engine, prompt: str | list[int], **params) -> list[Tok
     return [event async for event in stream]
 
 
+def col(values: list[float]) -> torch.Tensor:
+    """Per-row sampling parameters as SamplingBatch takes them: (N, 1) float32."""
+    return torch.tensor(values, dtype=torch.float32).view(-1, 1)
+
+
 def token_ids(events: list[TokenEvent]) -> list[int]:
     return [e.token_id for e in events if e.token_id is not None]
 

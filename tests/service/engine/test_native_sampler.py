@@ -16,7 +16,7 @@ from service.engine.kv_slots import SpanKVCache
 from service.engine.native_step import NativeStep, SamplePenalties
 from service.engine.runner import ModelRunner
 from service.engine.types import SamplingParams
-from tests.service.engine.conftest import EngineFactory, collect, token_ids
+from tests.service.engine.conftest import EngineFactory, col, collect, token_ids
 
 pytestmark = pytest.mark.usefixtures("native_library")
 
@@ -37,9 +37,6 @@ def torch_draws(
     logits: torch.Tensor, temps: list[float], top_k: list[int], top_p: list[float], min_p: list[float],
     uniform: list[float],
 ) -> torch.Tensor:
-    def col(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32).view(-1, 1)
-
     v = logits.shape[-1]
     ks = [k if 0 < k < v else v for k in top_k]
     temps = [max(t, 0.0) for t in temps]  # (rows the native sampler skips: greedy here, unused)
@@ -126,9 +123,6 @@ def test_the_native_sampler_applies_the_penalties_as_sample_tokens_does(native: 
         out = torch.full((n,), -1, dtype=torch.int64)
         native.sample(x, temps, top_k, top_p, min_p, uniform, out,
                       SamplePenalties(seen, counts, slot, rep, freq, pres))
-
-        def col(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32).view(-1, 1)
 
         ks = [k if k else width for k in top_k]
         batch = SamplingBatch(

@@ -34,7 +34,7 @@ from service.engine.inbox import Inbox
 from service.engine.request import Request
 from service.engine.types import SamplingParams
 from service.engine.validation import GREEDY_BELOW, effective_params
-from tests.service.engine.conftest import EngineFactory, collect, token_ids
+from tests.service.engine.conftest import EngineFactory, col, collect, token_ids
 
 NEG = float("-inf")
 
@@ -238,10 +238,6 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_skips_masked() -> Non
     assert torch.allclose(freq, torch.tensor([0.2, 0.6, 0.0, 0.2], dtype=torch.float64), atol=0.03)
     assert len({seeded_uniform(1, i) for i in range(1000)}) == 1000
     assert seeded_uniform(1, 5) == seeded_uniform(1, 5) != seeded_uniform(2, 5)
-
-
-def col(values: list[float]) -> torch.Tensor:
-    return torch.tensor(values).view(-1, 1)
 
 
 def test_top_k_candidates_path_picks_what_the_full_vocabulary_path_picks() -> None:
