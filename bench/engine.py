@@ -103,21 +103,31 @@ class ShapeResult:
         return conc * self.new_tokens / self.run_bound_s(conc)
 
 
-def make_checkpoint(shape: str, dtype: str) -> Checkpoint:
+def random_model(shape: str, dtype: str = "float32") -> tuple[GPT, Any]:
+    """One of the issue's shapes with random weights (seed 0), and a tokenizer every id of its
+    vocabulary decodes with."""
     cfg = GPTConfig(**SHAPES[shape])
     if cfg.vocab_size <= 256:
         tok: Any = CharTokenizer([chr(32 + i) for i in range(cfg.vocab_size)])
     else:  # a synthetic word vocabulary of GPT-2's size: every id decodes
         tok = WordTokenizer([f"w{i}" for i in range(cfg.vocab_size - 1)])
     torch.manual_seed(0)
-    model = GPT(cfg).to(DTYPES[dtype])
+    return GPT(cfg).to(DTYPES[dtype]), tok
+
+
+def make_checkpoint(shape: str, dtype: str) -> Checkpoint:
+    model, tok = random_model(shape, dtype)
+    cfg = model.config
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     return Checkpoint(config=cfg, tokenizer=tok, state_dict=state, name=f"random-{shape}", dtype=dtype)
 
 
 def prompts_for(ckpt: Checkpoint, n: int, length: int) -> list[list[int]]:
+    return random_prompts(ckpt.tokenizer.vocab_size, n, length)
+
+
+def random_prompts(vocab: int, n: int, length: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
-    vocab = ckpt.tokenizer.vocab_size
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 

@@ -1,7 +1,7 @@
 """HTTP vs in-process: is the server itself a bottleneck?
 
-    python bench/serving.py [--checkpoint checkpoints/shakespeare-char] [-c 32] [-n 128] [--max-new-tokens 64]
-                            [--stream-intervals 1,4]
+    python bench/serving.py [--checkpoint checkpoints/shakespeare-char | --shape 10.7M|124M] [--dtype float32]
+                            [-c 32] [-n 128] [--max-new-tokens 64] [--stream-intervals 1,4]
 
 The same engine settings and the same closed-loop load (c clients, n requests, the same prompt,
 sampled at temperature 1 with a seed per request) run twice, alternating, `--repeats` times:
@@ -17,6 +17,10 @@ HTTP clients' pools do (`bench/load.py --new-connections` measures one per reque
 `--stream-intervals 1,4` measures both ways at each stream interval in every repeat (the server's
 `--stream-interval`; in-process, `Engine.generate(stream_interval=...)`), so each interval's
 ratio compares like with like.
+`--shape` serves one of #8's model shapes instead of a checkpoint: bench/engine.py's random
+weights, saved as a checkpoint in a temporary directory, with a prompt of 16 random tokens of its
+vocabulary (the engine bench's prompt length). The shipped checkpoint (4.8M parameters) is the
+smallest model, so HTTP's cost per token weighs most there.
 Writes bench/results/serving.json and serving.md. Not a test: nothing here asserts a speed.
 """
 
@@ -27,13 +31,14 @@ import asyncio
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine import load_avg, machine, write_results
+from bench.engine import SHAPES, load_avg, machine, random_model, random_prompts, write_results
 from bench.load import LoadConfig, percentiles, run_load, run_loop
 from service.engine.threads import single_threaded_elsewhere
 from service.heap import freeze_startup_heap
@@ -42,14 +47,15 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
 
-def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str,
+def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str, dtype: str,
                interval: int = 1) -> dict[str, Any]:
     from model.checkpoint import load_checkpoint
     from service.engine.config import EngineConfig
     from service.engine.engine import Engine
     from service.engine.types import SamplingParams
 
-    engine = Engine(load_checkpoint(checkpoint), EngineConfig(max_seqs=conc, max_queue=requests))
+    engine = Engine(load_checkpoint(checkpoint), EngineConfig(max_seqs=conc, max_queue=requests,
+                                                                  dtype=dtype))
     engine.start()
     ttfts: list[float] = []
     tokens = 0
@@ -90,14 +96,15 @@ def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str
             "threads_by_size": engine.info()["cpu_threads_by_forward_size"]}
 
 
-def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str,
+def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str, dtype: str,
               interval: int = 1) -> dict[str, Any]:
     import httpx
 
     from tests.service.server import running_server
 
     env = {"NANOSERVE_MAX_SEQS": str(conc), "NANOSERVE_MAX_QUEUE": str(requests),
-           "NANOSERVE_LOG_LEVEL": "warning", "NANOSERVE_STREAM_INTERVAL": str(interval)}
+           "NANOSERVE_LOG_LEVEL": "warning", "NANOSERVE_STREAM_INTERVAL": str(interval),
+           "NANOSERVE_DTYPE": dtype}
     with running_server(checkpoint, env=env) as server:
         def load(n: int) -> Any:
             config = LoadConfig(url=server.base_url, concurrency=conc, requests=n, max_new_tokens=new,
@@ -132,6 +139,8 @@ def thread_cpu_s(pid: int, tid: int | None = None) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "shakespeare-char"))
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="random weights of this shape instead")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("-c", "--concurrency", type=int, default=32)
     ap.add_argument("-n", "--requests", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -141,17 +150,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream-intervals", default="1",
                     help="comma-separated stream intervals, each measured both ways in every repeat")
     args = ap.parse_args(argv)
-    intervals = [int(i) for i in args.stream_intervals.split(",")]
     single_threaded_elsewhere()  # the in-process engine's thread is the only one with a pool
     # This process is the load generator both ways and the server in-process: keep full garbage
     # collections off its start-up heap as `nanoserve serve` does (service/app.py).
     freeze_startup_heap()
     started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_before": load_avg()}
-    ckpt = Path(args.checkpoint)
+    with tempfile.TemporaryDirectory(prefix="nanoserve-bench-") as tmp:
+        if args.shape:
+            ckpt, args.prompt = random_checkpoint(args.shape, Path(tmp))
+            name = f"random weights of the {args.shape} shape ({args.dtype})"
+        else:
+            ckpt = Path(args.checkpoint)
+            name = f"{ckpt.name} ({args.dtype})"
+        return _run(args, ckpt, name, started)
+
+
+def random_checkpoint(shape: str, out: Path) -> tuple[Path, str]:
+    """A server's checkpoint of `shape` with bench/engine.py's random weights, and a prompt."""
+    from model.checkpoint import save_checkpoint
+
+    model, tokenizer = random_model(shape)
+    prompt = tokenizer.decode(random_prompts(tokenizer.vocab_size, 1, 16)[0])
+    return save_checkpoint(out / shape, model, tokenizer, name=f"random-{shape}"), prompt
+
+
+def _run(args: argparse.Namespace, ckpt: Path, name: str, started: dict[str, Any]) -> int:
+    intervals = [int(i) for i in args.stream_intervals.split(",")]
     # runs[interval][way]: one entry per repeat.
     runs: dict[int, dict[str, list[dict[str, Any]]]] = {i: {"in_process": [], "http": []} for i in intervals}
     for _ in range(args.repeats):
-        load = (ckpt, args.concurrency, args.requests, args.max_new_tokens, args.prompt)
+        load = (ckpt, args.concurrency, args.requests, args.max_new_tokens, args.prompt, args.dtype)
         for interval in intervals:
             by_way = runs[interval]
             by_way["in_process"].append(in_process(*load, interval))
@@ -163,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
     md = (
         f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; {meta['utc']}; load "
-        f"before/after {meta['load_before']} / {meta['load_after']}. Checkpoint {ckpt.name}, "
+        f"before/after {meta['load_before']} / {meta['load_after']}. Model: {name}, "
         f"{args.concurrency} concurrent clients, {args.requests} requests x {args.max_new_tokens} "
         f"new tokens, temperature 1, best of {args.repeats} alternating runs.\n"
     )
