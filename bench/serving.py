@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-c", "--concurrency", type=int, default=32)
     ap.add_argument("-n", "--requests", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--prompt", default="ROMEO:")
+    ap.add_argument("--prompt", default="ROMEO:", help="with --shape: 16 random tokens instead")
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs each way, best kept")
     ap.add_argument("--out", default=str(RESULTS / "serving"))
     ap.add_argument("--stream-intervals", default="1",
