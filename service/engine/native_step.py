@@ -179,7 +179,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.ns_set_isa.restype = ctypes.c_int
     lib.ns_set_isa.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.ns_sample.restype = ctypes.c_int
-    lib.ns_sample.argtypes = [ptr, num, num, ptr, ptr, ptr, ptr, ptr, ptr, ptr, num, ptr]
+    lib.ns_sample.argtypes = [ptr, num, num, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, num, ptr]
     for name, args in (("ns_tiles_only", [ctypes.c_void_p]), ("ns_tiles_possible", [ctypes.c_void_p]),
                        ("ns_tile_linear", [ctypes.c_void_p, ctypes.c_int])):
         getattr(lib, name).restype = ctypes.c_int
@@ -330,15 +330,18 @@ class NativeStep:
     def sample(
         self, logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
         min_p: list[float], uniform: list[float], out: torch.Tensor, penalties: SamplePenalties | None = None,
+        *, typical_p: list[float] | None = None,
     ) -> None:
         """Draws out[r] (int64) for each row r of `logits` (N, V), float32 and contiguous on the
         CPU, whose temperature is above 0: the penalties (if given), temperature, top_k (0: off),
-        top_p (1: off), min_p (0: off), then inverse-CDF sampling with uniform[r], the rules of
+        top_p (1: off), min_p (0: off), typical_p (1 or None: off), then inverse-CDF sampling with
+        uniform[r], the rules of
         model/sampling.py's whole-vocabulary path (native/sampler.h says what may differ). A row
         of temperature 0 gets the first largest of its penalised logits (torch's max); the out of
         rows below 0 is left as it is."""
         n, v = logits.shape
-        columns = (temperature, top_k, top_p, min_p, uniform)
+        typical_p = [1.0] * n if typical_p is None else typical_p
+        columns = (temperature, top_k, top_p, min_p, typical_p, uniform)
         if not (logits.dtype == torch.float32 and logits.is_contiguous() and out.dtype == torch.int64
                 and out.is_contiguous() and len(out) == n and all(len(c) == n for c in columns)):
             raise ValueError("native sample: (N, V) float32 logits; N of each parameter; N int64 outs")
@@ -348,11 +351,11 @@ class NativeStep:
             pen = (ctypes.c_void_p * 6)(*(a.data_ptr() for a in keep))
         t = torch.tensor(temperature, dtype=torch.float32)
         k = torch.tensor(top_k, dtype=torch.int64)
-        p, mp, u = (torch.tensor(c, dtype=torch.float64) for c in (top_p, min_p, uniform))
+        p, mp, tp, u = (torch.tensor(c, dtype=torch.float64) for c in (top_p, min_p, typical_p, uniform))
         # Rows are dealt to threads whole: below ~64k logits a second thread's wake-up costs more.
         threads = max(1, min(torch.get_num_threads(), self.max_threads)) if n * v >= 1 << 16 else 1
-        args = (logits.data_ptr(), t.data_ptr(), k.data_ptr(), p.data_ptr(), mp.data_ptr(), u.data_ptr(),
-                out.data_ptr())
+        args = (logits.data_ptr(), t.data_ptr(), k.data_ptr(), p.data_ptr(), mp.data_ptr(), tp.data_ptr(),
+                u.data_ptr(), out.data_ptr())
         if self._lib.ns_sample(self._handle, n, v, *args, threads, pen):
             raise MemoryError("native sample: no scratch memory")
         del keep  # (the arrays the library read, alive until here)

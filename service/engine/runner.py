@@ -269,7 +269,7 @@ class ModelRunner:
 
     def _draw(self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
         """Each row's token: rows the native sampler takes (native_sampler_takes) are drawn by it,
-        rows with typical_p by model/sampling.py's sample_tokens, and greedy rows without a
+        the other sampled rows by model/sampling.py's sample_tokens, and greedy rows without a
         penalty keep their argmax. The way depends only on the row's own
         parameters, so a request draws the same tokens alone or beside any others."""
         tokens = greedy.clone()
@@ -291,6 +291,7 @@ class ModelRunner:
                     [p.repetition_penalty or 1.0 for p in ps], [p.frequency_penalty for p in ps],
                     [p.presence_penalty for p in ps],
                 ) if penal else None,
+                typical_p=[p.typical_p if p.typical_p is not None else 1.0 for p in ps],
             )
             if penal:
                 self._record([reqs[j] for j in penal], tokens[penal])
@@ -303,15 +304,14 @@ class ModelRunner:
         return tokens
 
     def native_sampler_takes(self, req: Request, logits: torch.Tensor) -> bool:
-        """Whether the native step's sampler draws this row: sampled (temperature above 0) without
-        typical_p, or greedy with a penalty (its argmax after the penalties), on CPU float32
-        logits; penalties, top_k, top_p and min_p are its own."""
+        """Whether the native step's sampler draws this row: sampled (temperature above 0), or
+        greedy with a penalty (its argmax after the penalties), on CPU float32 logits; penalties,
+        top_k, top_p, min_p and typical_p are its own."""
         p = req.params
         return (
             self.native_step is not None and logits.dtype == torch.float32 and logits.is_contiguous()
             and self.seen.device.type == "cpu"
-            and ((p.temperature > 0 and (p.typical_p is None or p.typical_p >= 1))
-                 or (p.temperature == 0 and _uses_penalties(req)))
+            and (p.temperature > 0 or (p.temperature == 0 and _uses_penalties(req)))
         )
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:

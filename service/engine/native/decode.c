@@ -592,8 +592,8 @@ void ns_step(void *model, int rows, const int64_t *tok, const int64_t *pos, cons
  * factors (float32 each). On `threads` threads, rows dealt out in turn. 0, or -1 when no scratch
  * could be had. */
 int ns_sample(void *model, int rows, int vocab, const float *logits, const float *temperature, const int64_t *top_k,
-              const double *top_p, const double *min_p, const double *uniform, int64_t *out, int threads,
-              const void *const *pen) {
+              const double *top_p, const double *min_p, const double *typical_p, const double *uniform, int64_t *out,
+              int threads, const void *const *pen) {
     Model *m = model;
     if (threads > rows) threads = rows;
     if (threads < 1) threads = 1;
@@ -606,7 +606,7 @@ int ns_sample(void *model, int rows, int vocab, const float *logits, const float
     }
     SampleJob job = {.m = m, .logits = logits, .rows = rows, .vocab = vocab, .serial = !m->parallel || threads <= 1,
                      .temperature = temperature, .top_k = top_k, .top_p = top_p, .min_p = min_p,
-                     .uniform = uniform, .out = out, .scratch = m->smp, .each = each};
+                     .typical_p = typical_p, .uniform = uniform, .out = out, .scratch = m->smp, .each = each};
     if (pen) {
         job.seen = pen[0], job.counts = pen[1], job.slot = pen[2];
         job.repetition = pen[3], job.frequency = pen[4], job.presence = pen[5];

@@ -1,8 +1,8 @@
 /* Part of decode.c, which includes it once (see attention.h). Drawing each row's next token from
  * its logits in one call: the repetition, frequency and presence penalties, temperature, top_k,
- * top_p, min_p, then inverse-CDF sampling, the rules and the order of model/sampling.py's
- * whole-vocabulary path (sample_tokens with candidates off: apply_penalties, apply_filters,
- * sample_from_logits), for rows without typical_p (which stays there).
+ * top_p, min_p, typical_p, then inverse-CDF sampling, the rules and the order of
+ * model/sampling.py's whole-vocabulary path (sample_tokens with candidates off: apply_penalties,
+ * apply_filters, sample_from_logits).
  *
  * Why here and not in torch: that path is some twenty torch operations over (rows, vocab), each
  * releasing the GIL and most allocating (rows, vocab) temporaries; at GPT-2's 50,257 tokens and 32
@@ -14,7 +14,10 @@
  * What differs from torch: each token's exp is float32 (exp256, a few ulp from expf) where
  * top_p's mass is float64 there; sums are float64 either way. So a row's cuts and draw agree with
  * the torch path unless its running mass, min_p ratio or uniform number falls within ~1e-6 of a
- * boundary (the tests compare every draw). Filters drop a token by zeroing its e; the top_k and
+ * boundary (the tests compare every draw). typical_p's entropy and distances are float64 here and
+ * float32 in torch: on flat rows many distances lie within float32 rounding of each other, so
+ * which of those near-ties stay at the cut can differ (the tests compare with a float64
+ * reference and allow only those). Filters drop a token by zeroing its e; the top_k and
  * top_p cuts come from one radix select (crossing_bucket), counting tokens or summing mass. */
 
 #define SAMPLE_BUCKET_BITS 13 /* model/nucleus.py's BUCKET_BITS: 8,192 buckets in score order */
@@ -31,7 +34,7 @@ typedef struct {
     int rows, vocab, serial;
     const float *temperature; /* per row; 0: greedy (the argmax after the penalties); below 0: skipped */
     const int64_t *top_k;             /* 0, or the vocabulary or more: off */
-    const double *top_p, *min_p, *uniform; /* top_p 1, min_p 0: off */
+    const double *top_p, *min_p, *typical_p, *uniform; /* top_p 1, min_p 0, typical_p 1: off */
     /* Penalties (NULL: none in the batch): per slot (slots, vocab) whether each token was seen
      * (prompt and generated) and how often generated; each row's slot and factors (1 / 0: off). */
     const uint8_t *seen;
@@ -249,6 +252,24 @@ static double keep_likely(float *e, int v, double min_p) {
     return sum;
 }
 
+/* typical_p (HF's TypicalLogitsWarper; model/sampling.py typical_mask) over the tokens the filters
+ * before it left (e > 0, summing to `sum`): each one's distance from the row's entropy,
+ * |log p + H|, and the closest tokens kept until their mass reaches `mass` of the row's; tied
+ * distances stay or go together. `best` is the row's largest scaled logit (e = exp(s - best));
+ * `key`: room for n floats. Returns the sum of what stays. */
+static double keep_typical(const float *s, float *e, int n, float best, double sum, double mass, float *key,
+                           double *bins, Scored *members) {
+    const double shift = (double)best + log(sum); /* log p = s - shift */
+    double h = 0.0;
+    for (int i = 0; i < n; i++)
+        if (e[i] > 0.0f) h -= (double)e[i] / sum * ((double)s[i] - shift);
+    /* Closest first is largest first for the radix select: the key is minus the distance;
+     * tokens already dropped go last, with no mass. */
+    for (int i = 0; i < n; i++) key[i] = e[i] > 0.0f ? (float)-fabs((double)s[i] - shift + h) : -INFINITY;
+    const float cut = nucleus_cut(key, e, n, mass * sum, bins, members);
+    return cut > -INFINITY ? keep_from(key, e, n, cut) : sum;
+}
+
 /* The first token (in vocabulary order) whose running mass passes u * kept; tokens a filter
  * dropped (e = 0) are never chosen. */
 static int64_t draw(const float *e, int v, double kept, double u) {
@@ -287,9 +308,9 @@ static void sample_thread(void *arg) {
             continue;
         }
         if (!(t > 0.0f)) continue;
-        /* HF's order, as apply_filters: temperature, top_k, top_p, min_p; each on what the
-         * previous left. top_k first keeps its tokens (in vocabulary order, `idx`), so the rest
-         * runs on those alone. */
+        /* HF's order, as apply_filters: temperature, top_k, top_p, min_p, typical_p; each on what
+         * the previous left. top_k first keeps its tokens (in vocabulary order, `idx`), so the
+         * rest runs on those alone. */
         const float best = scale_max(m, penalised(job, r, job->logits + (size_t)r * v, v, all), v, t, all);
         const float *s = all;
         int n = v;
@@ -304,6 +325,8 @@ static void sample_thread(void *arg) {
             if (cut > -INFINITY) sum = keep_from(s, e, n, cut);
         }
         if (job->min_p[r] > 0.0) sum = keep_likely(e, n, job->min_p[r]);
+        if (job->typical_p[r] < 1.0) /* its keys go where the scores are not (top_k copied them) */
+            sum = keep_typical(s, e, n, best, sum, job->typical_p[r], s == top ? all : top, bins, members);
         const int64_t j = draw(e, n, sum, job->uniform[r]);
         job->out[r] = s == top ? idx[j] : j;
     }

@@ -1,11 +1,13 @@
-"""native/sampler.h draws what model/sampling.py's whole-vocabulary path draws (temperature,
-top_p, inverse-CDF sampling), and the runner hands it exactly the batches it can take."""
+"""native/sampler.h draws what model/sampling.py's whole-vocabulary path draws (penalties,
+temperature, top_k, top_p, min_p, typical_p, inverse-CDF sampling), and the runner hands it
+exactly the rows it can take."""
 
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -163,6 +165,78 @@ def test_the_native_sampler_follows_the_distribution(native: NativeStep) -> None
     assert torch.allclose(counts[:2], p, atol=0.01)
 
 
+def typical_reference(x: torch.Tensor, t: float, mass: float) -> tuple[np.ndarray, np.ndarray, float]:
+    """typical_p in float64 (what native/sampler.h computes, up to its float32 exp): each token's
+    probability and distance |log p + H| at temperature t, and the distance at the cut."""
+    z = x.double().numpy() / t
+    logp = z - z.max() - np.log(np.exp(z - z.max()).sum())
+    p = np.exp(logp)
+    d = np.abs(logp + -(p * logp).sum())
+    order = np.argsort(d, kind="stable")
+    reach = np.cumsum(p[order])
+    at = min(int(np.searchsorted(reach, mass * reach[-1])), len(order) - 1)
+    return p, d, float(d[order[at]])
+
+
+def test_typical_p_draws_what_sample_tokens_draws_where_distances_are_apart(native: NativeStep) -> None:
+    # The native entropy and distances are float64, torch's float32: on rows whose distances
+    # around the cut are well apart (checked against a float64 reference; close rows are
+    # skipped, and most rows are not), every draw is the torch path's, with typical_p alone and
+    # after top_k, top_p and min_p.
+    g = torch.Generator().manual_seed(15)
+    checked = skipped = 0
+    for width in (7, 65, 97, 1024, 1025, 4096):
+        x = torch.randn(16, width, generator=g) * torch.tensor([1.0, 2.0, 3.0, 5.0]).repeat(4).view(-1, 1)
+        temps = [0.7, 1.0, 1.3, 1.0] * 4
+        typical = [0.2, 0.5, 0.9, 0.95] * 4
+        top_k = [0] * 8 + [40, 0, 0, 5] * 2
+        top_p = [1.0] * 8 + [1.0, 0.9, 1.0, 1.0] * 2
+        min_p = [0.0] * 8 + [0.0, 0.0, 0.05, 0.0] * 2
+        uniform = torch.rand(16, generator=g, dtype=torch.float64).tolist()
+        out = torch.full((16,), -1, dtype=torch.int64)
+        native.sample(x, temps, top_k, top_p, min_p, uniform, out, typical_p=typical)
+        ks = [k if 0 < k < width else width for k in top_k]
+        batch = SamplingBatch(
+            temperature=col(temps), greedy=torch.zeros(16, dtype=torch.bool),
+            uniform=torch.tensor(uniform, dtype=torch.float64), top_k=torch.tensor(ks).view(-1, 1),
+            top_k_max=max(ks), top_p=col(top_p), min_p=col(min_p), typical_p=col(typical),
+        )
+        expected = sample_tokens(x, batch)
+        for r in range(8):  # typical_p alone: the reference applies to these rows as they are
+            _, d, cut = typical_reference(x[r], temps[r], typical[r])
+            near = np.abs(d - cut)
+            if ((near > 0) & (near < 1e-4)).any():  # another distance within float32 noise of the cut
+                skipped += 1
+                continue
+            assert out[r] == expected[r], f"width {width}, row {r}"
+            checked += 1
+        assert torch.equal(out[8:], expected[8:]), f"width {width}, with other filters"
+    assert checked >= 40 and skipped <= 8, (checked, skipped)
+
+
+def test_typical_p_on_flat_wide_rows_keeps_the_float64_cut(native: NativeStep) -> None:
+    # GPT-2-wide flat rows, where thousands of distances lie within float32 rounding of each
+    # other: every draw comes from the float64 reference's kept tokens or from those within 1e-5
+    # of its cut, and nearly every draw is the reference's own inverse-CDF draw (a cut in the
+    # wrong place, or too few or too many tokens kept, would move most of them).
+    g = torch.Generator().manual_seed(16)
+    for scale, mass in ((0.05, 0.9), (0.5, 0.5), (1.0, 0.95), (3.0, 0.2)):
+        row = torch.randn(50257, generator=g) * scale
+        n = 48
+        x = row.repeat(n, 1)
+        uniform = torch.rand(n, generator=g, dtype=torch.float64).tolist()
+        out = torch.zeros(n, dtype=torch.int64)
+        native.sample(x, [1.0] * n, [0] * n, [1.0] * n, [0.0] * n, uniform, out, typical_p=[mass] * n)
+        p, d, cut = typical_reference(row, 1.0, mass)
+        kept = d <= cut
+        band = np.abs(d - cut) <= 1e-5
+        assert all(kept[i] or band[i] for i in out.tolist()), scale
+        cdf = np.cumsum(np.where(kept, p, 0.0))
+        reference = np.searchsorted(cdf, np.array(uniform) * cdf[-1], side="right")
+        assert (out.numpy() == reference).sum() >= n - 2, (scale, (out.numpy() != reference).sum())
+        assert len(set(out.tolist())) > n // 2  # really sampled
+
+
 async def test_the_runner_samples_natively_only_what_the_native_sampler_does(
     make_engine: EngineFactory,
 ) -> None:
@@ -178,7 +252,7 @@ async def test_the_runner_samples_natively_only_what_the_native_sampler_does(
     assert takes(temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5)
     assert not takes(temperature=0.0)  # greedy rows keep the max pass's argmax
     assert takes(temperature=0.0, repetition_penalty=1.2)  # unless a penalty moves it
-    assert not takes(temperature=1.0, typical_p=0.9)
+    assert takes(temperature=1.0, typical_p=0.9)
     assert not takes(logits.double(), temperature=1.0)
 
 
@@ -190,9 +264,10 @@ async def test_a_request_draws_the_same_tokens_alone_and_beside_others(
     handed: list[list[float]] = []
     sample = NativeStep.sample
 
-    def recorded(self: NativeStep, logits: torch.Tensor, temperature: list[float], *rest: object) -> None:
+    def recorded(self: NativeStep, logits: torch.Tensor, temperature: list[float], *rest: object,
+                 **named: object) -> None:
         handed.append(temperature)
-        sample(self, logits, temperature, *rest)  # type: ignore[arg-type]
+        sample(self, logits, temperature, *rest, **named)  # type: ignore[arg-type]
 
     monkeypatch.setattr(NativeStep, "sample", recorded)
     params = dict(max_new_tokens=40, temperature=1.3, top_p=0.9, seed=7, stop_on_eos=False)
@@ -206,8 +281,8 @@ async def test_a_request_draws_the_same_tokens_alone_and_beside_others(
     results = await asyncio.gather(collect(engine, "Hello there", **params), *others)
     assert token_ids(results[0]) == alone
     assert len(set(alone)) > 5
-    # 1.1 and 0.0: the penalised mates, sampled and greedy; -1: the typical_p and plain greedy ones.
-    assert {t for temps in handed for t in temps} == {-1.0, 0.0, 1.1, 1.3}
+    # 0.9: the typical_p mate; 1.1 and 0.0: the penalised ones, sampled and greedy; -1: plain greedy.
+    assert {t for temps in handed for t in temps} == {-1.0, 0.0, 0.9, 1.1, 1.3}
     assert max(len(temps) for temps in handed) == 5  # batched with its four mates
 
 
