@@ -335,10 +335,9 @@ class NativeStep:
         """Draws out[r] (int64) for each row r of `logits` (N, V), float32 and contiguous on the
         CPU, whose temperature is above 0: the penalties (if given), temperature, top_k (0: off),
         top_p (1: off), min_p (0: off), typical_p (1 or None: off), then inverse-CDF sampling with
-        uniform[r], the rules of
-        model/sampling.py's whole-vocabulary path (native/sampler.h says what may differ). A row
-        of temperature 0 gets the first largest of its penalised logits (torch's max); the out of
-        rows below 0 is left as it is."""
+        uniform[r], the rules of model/sampling.py's whole-vocabulary path (native/sampler.h says
+        what may differ). A row of temperature 0 gets the first largest of its penalised logits
+        (torch's max); the out of rows below 0 is left as it is."""
         n, v = logits.shape
         typical_p = [1.0] * n if typical_p is None else typical_p
         columns = (temperature, top_k, top_p, min_p, typical_p, uniform)
