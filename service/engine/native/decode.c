@@ -589,8 +589,8 @@ void ns_step(void *model, int rows, const int64_t *tok, const int64_t *pos, cons
  * sampler.h says with its top_k (0: off), top_p (1: off), min_p (0: off), typical_p (1: off) and
  * uniform number; the argmax after the penalties for rows of temperature 0; out[r] of rows below 0
  * is left as it is. pen: NULL (no penalties), or seen (slots, vocab) bytes, counts (slots, vocab)
- * int32, each row's slot (int64), repetition, frequency and presence factors (float32 each). On `threads` threads, rows dealt out in turn. 0, or -1 when no scratch
- * could be had. */
+ * int32, each row's slot (int64), repetition, frequency and presence factors (float32 each). On
+ * `threads` threads, rows dealt out in turn. 0, or -1 when no scratch could be had. */
 int ns_sample(void *model, int rows, int vocab, const float *logits, const float *temperature, const int64_t *top_k,
               const double *top_p, const double *min_p, const double *typical_p, const double *uniform, int64_t *out,
               int threads, const void *const *pen) {
