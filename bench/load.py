@@ -47,6 +47,10 @@ class LoadConfig:
     model: str | None = None  # chat route: the `model` field (None: the server's only model)
     prompt: str = "ROMEO:"
     max_new_tokens: int = 32
+    # Request i asks for max_new_tokens + an offset cycling through -spread..spread (the same
+    # mean): streams of different lengths end in different steps, as real traffic's do, instead
+    # of all together in waves.
+    spread: int = 0
     temperature: float = 1.0
     seed: int | None = None  # request i uses seed + i when set
     api_key: str | None = None
@@ -128,13 +132,21 @@ def percentiles(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict
     return {f"p{q}": round(ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)], 6) for q in qs}
 
 
+def new_tokens(mean: int, spread: int, index: int) -> int:
+    """Request `index`'s token budget: `mean` plus an offset stepping through -spread..spread by a
+    stride coprime with their number, so each comes once a cycle and neighbouring requests differ."""
+    width = 2 * spread + 1
+    stride = 7 if width % 7 else 1
+    return max(1, mean - spread + (index * stride) % width)
+
+
 def build_request(config: LoadConfig, index: int) -> tuple[str, dict[str, Any]]:
     """The path and JSON body of request `index`."""
     seed = None if config.seed is None else config.seed + index
     if config.route == "chat":
         body: dict[str, Any] = {
             "messages": [{"role": "user", "content": config.prompt}],
-            "max_tokens": config.max_new_tokens,
+            "max_tokens": new_tokens(config.max_new_tokens, config.spread, index),
             "temperature": config.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -144,7 +156,8 @@ def build_request(config: LoadConfig, index: int) -> tuple[str, dict[str, Any]]:
         if config.model is not None:
             body["model"] = config.model
         return ROUTES["chat"], body
-    params: dict[str, Any] = {"max_new_tokens": config.max_new_tokens, "details": True}
+    params: dict[str, Any] = {"max_new_tokens": new_tokens(config.max_new_tokens, config.spread, index),
+                              "details": True}
     if config.temperature > 0:
         params.update(do_sample=True, temperature=config.temperature)
     if seed is not None:
@@ -508,6 +521,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[LoadConfig, argparse.Name
     p.add_argument("--model", default=None, help="chat route: the model id to send")
     p.add_argument("--prompt", default="ROMEO:")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--spread", type=int, default=0,
+                   help="request i asks for max-new-tokens +- up to this many (the same mean)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--api-key", default=None)
@@ -521,7 +536,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[LoadConfig, argparse.Name
         url=a.url, concurrency=a.concurrency,
         requests=a.requests if a.requests is not None or a.duration is not None else 64,
         duration_s=a.duration, route=a.route, model=a.model, prompt=a.prompt,
-        max_new_tokens=a.max_new_tokens,
+        max_new_tokens=a.max_new_tokens, spread=a.spread,
         temperature=a.temperature, seed=a.seed, api_key=a.api_key, timeout_s=a.timeout,
         keep_alive=not a.new_connections,
     )

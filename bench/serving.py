@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import SHAPES, load_avg, machine, random_model, random_prompts, write_results
-from bench.load import LoadConfig, percentiles, run_load, run_loop
+from bench.load import LoadConfig, new_tokens, percentiles, run_load, run_loop
 from service.engine.threads import single_threaded_elsewhere
 from service.heap import freeze_startup_heap
 
@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
 
-def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str, dtype: str,
+def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str, dtype: str, spread: int,
                interval: int = 1) -> dict[str, Any]:
     from model.checkpoint import load_checkpoint
     from service.engine.config import EngineConfig
@@ -62,7 +62,7 @@ def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str
 
     async def one(index: int) -> None:
         nonlocal tokens
-        params = SamplingParams(max_new_tokens=new, temperature=1.0, seed=index)
+        params = SamplingParams(max_new_tokens=new_tokens(new, spread, index), temperature=1.0, seed=index)
         sent = time.perf_counter()
         first = None
         async for event in await engine.generate(prompt, params, stream_interval=interval):
@@ -96,7 +96,7 @@ def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str
             "threads_by_size": engine.info()["cpu_threads_by_forward_size"]}
 
 
-def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str, dtype: str,
+def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str, dtype: str, spread: int,
               interval: int = 1) -> dict[str, Any]:
     import httpx
 
@@ -108,7 +108,7 @@ def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str,
     with running_server(checkpoint, env=env) as server:
         def load(n: int) -> Any:
             config = LoadConfig(url=server.base_url, concurrency=conc, requests=n, max_new_tokens=new,
-                                temperature=1.0, seed=0, prompt=prompt)
+                                spread=spread, temperature=1.0, seed=0, prompt=prompt)
             return run_loop(run_load(config))
 
         load(conc)  # warm-up, as in-process
@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-c", "--concurrency", type=int, default=32)
     ap.add_argument("-n", "--requests", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--spread", type=int, default=0,
+                    help="request i asks for max-new-tokens +- up to this many (bench/load.py)")
     ap.add_argument("--prompt", default="ROMEO:", help="with --shape: 16 random tokens instead")
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs each way, best kept")
     ap.add_argument("--out", default=str(RESULTS / "serving"))
@@ -179,7 +181,8 @@ def _run(args: argparse.Namespace, ckpt: Path, name: str, started: dict[str, Any
     # runs[interval][way]: one entry per repeat.
     runs: dict[int, dict[str, list[dict[str, Any]]]] = {i: {"in_process": [], "http": []} for i in intervals}
     for _ in range(args.repeats):
-        load = (ckpt, args.concurrency, args.requests, args.max_new_tokens, args.prompt, args.dtype)
+        load = (ckpt, args.concurrency, args.requests, args.max_new_tokens, args.prompt, args.dtype,
+                args.spread)
         for interval in intervals:
             by_way = runs[interval]
             by_way["in_process"].append(in_process(*load, interval))
@@ -193,7 +196,8 @@ def _run(args: argparse.Namespace, ckpt: Path, name: str, started: dict[str, Any
         f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; {meta['utc']}; load "
         f"before/after {meta['load_before']} / {meta['load_after']}. Model: {name}, "
         f"{args.concurrency} concurrent clients, {args.requests} requests x {args.max_new_tokens} "
-        f"new tokens, temperature 1, best of {args.repeats} alternating runs.\n"
+        f"new tokens{f' +- up to {args.spread}' if args.spread else ''}, temperature 1, best of "
+        f"{args.repeats} alternating runs.\n"
     )
     results: dict[str, Any] = {"meta": meta, "by_interval": {}}
     for interval, by_way in runs.items():

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 import pytest
 
-from bench.load import LoadConfig, SSEParser, main, percentiles, run_load
+from bench.load import LoadConfig, SSEParser, build_request, main, new_tokens, percentiles, run_load
 
 
 def tgi_events(n: int, *, final: bool = True) -> list[bytes]:
@@ -109,6 +109,19 @@ def test_sse_parser_handles_comments_multiline_and_event_names() -> None:
     p = SSEParser()
     lines = [": keep-alive", "", "event: error", "data: a", "data: b", "", "data:x", ""]
     assert [e for e in map(p.feed, lines) if e] == [("error", "a\nb"), ("message", "x")]
+
+
+def test_spread_gives_every_budget_once_a_cycle_around_the_mean() -> None:
+    for mean, spread in ((64, 16), (40, 3), (10, 0), (64, 10)):  # 2 * 3 + 1 = 7: another stride
+        width = 2 * spread + 1
+        cycle = [new_tokens(mean, spread, i) for i in range(width)]
+        assert sorted(cycle) == list(range(mean - spread, mean + spread + 1))
+        assert [new_tokens(mean, spread, i + width) for i in range(width)] == cycle
+    assert len({new_tokens(64, 16, i) for i in range(2)}) == 2  # neighbours differ
+    config = LoadConfig(url="http://x", max_new_tokens=64, spread=16)
+    assert build_request(config, 1)[1]["parameters"]["max_new_tokens"] == new_tokens(64, 16, 1)
+    chat = LoadConfig(url="http://x", route="chat", max_new_tokens=64, spread=16)
+    assert build_request(chat, 2)[1]["max_tokens"] == new_tokens(64, 16, 2)
 
 
 def test_percentiles_are_nearest_rank() -> None:
