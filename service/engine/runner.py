@@ -247,7 +247,7 @@ class ModelRunner:
         # (220 vs 61 us a row), a fixed ~0.1 ms of a 1.3 ms batch-1 step at 10.7M.
         top, greedy = row_max(logits)  # ties: the first index, as argmax
         finite = [math.isfinite(v) for v in top]  # a few rows: cheaper than a torch op
-        if all(r.params.temperature == 0 and not _uses_penalties(r) for r in reqs):
+        if not any(_draws(r) for r in reqs):
             tokens = greedy  # what sample_tokens returns for such a batch, without building one
         else:
             if not all(finite):  # rows without a distribution sample from zeros (then flagged)
@@ -295,8 +295,7 @@ class ModelRunner:
             )
             if penal:
                 self._record([reqs[j] for j in penal], tokens[penal])
-        rows = [j for j, (r, n) in enumerate(zip(reqs, natively, strict=True))
-                if not n and (r.params.temperature > 0 or _uses_penalties(r))]
+        rows = [j for j, (r, n) in enumerate(zip(reqs, natively, strict=True)) if not n and _draws(r)]
         if len(rows) == len(reqs):
             return self._sample(reqs, logits)
         if rows:
@@ -307,11 +306,9 @@ class ModelRunner:
         """Whether the native step's sampler draws this row: sampled (temperature above 0), or
         greedy with a penalty (its argmax after the penalties), on CPU float32 logits; penalties,
         top_k, top_p, min_p and typical_p are its own."""
-        p = req.params
         return (
             self.native_step is not None and logits.dtype == torch.float32 and logits.is_contiguous()
-            and self.seen.device.type == "cpu"
-            and (p.temperature > 0 or (p.temperature == 0 and _uses_penalties(req)))
+            and self.seen.device.type == "cpu" and _draws(req)
         )
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
@@ -369,6 +366,12 @@ class ModelRunner:
             batch.frequency_penalty = col([p.frequency_penalty for p in ps])
             batch.presence_penalty = col([p.presence_penalty for p in ps])
         return batch
+
+
+def _draws(req: Request) -> bool:
+    """Whether a row needs more than the argmax of its raw logits: it samples, or a penalty
+    moves its greedy pick."""
+    return req.params.temperature > 0 or _uses_penalties(req)
 
 
 def _uses_penalties(req: Request) -> bool:

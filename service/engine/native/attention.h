@@ -96,10 +96,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void softmax_sc
      * exp(x - best) is the same either way.) */
     __m256 vmax = _mm256_set1_ps(-INFINITY);
     for (t = 0; t + 8 <= n; t += 8) vmax = _mm256_max_ps(_mm256_loadu_ps(scores + t), vmax);
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    float best = _mm_cvtss_f32(m4);
+    float best = hmax256(vmax);
     for (; t < n; t++) best = scores[t] > best ? scores[t] : best;
     const __m256 vbest = _mm256_set1_ps(best);
     __m256 vtotal = _mm256_setzero_ps();

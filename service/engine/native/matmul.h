@@ -64,6 +64,14 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The largest of eight lanes (max_ps: of 0.0 and -0.0 either may come out). */
+__attribute__((target("avx2,fma"))) static inline float hmax256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
 /* R rows (a compile-time constant) against one panel. Named accumulators, not arrays: with
  * arrays GCC 12 kept a copy of every accumulator on the stack, twelve stores per k. */
 #define ROW_STEP(r)                                                                                        \
@@ -231,8 +239,9 @@ __attribute__((target("avx512f"))) static void store512(const Linear *l, float *
  * [rows - 1]: panels two at a time (one when a single panel is left), rows in blocks of MAX_R512.
  * w: the panels, panel_bytes each; x: the rows, x_bytes apart; k: the kernels' inputs per row.
  * Where there are two or more row blocks, each block's kernel asks for its share of the next panel
- * pair, one cache line per input (pair) into L2, interleaved with its products (at the AVX512-BF16 rate the hardware prefetcher no longer hid
- * the weight stream: 124M bf16 16 rows 1.13x, 10.7M 64 rows 1.06x; batch 1 unchanged, one block).
+ * pair, one cache line per input (pair) into L2, interleaved with its products (at the
+ * AVX512-BF16 rate the hardware prefetcher no longer hid the weight stream: 124M bf16 16 rows
+ * 1.13x, 10.7M 64 rows 1.06x; batch 1 unchanged, one block).
  * Until session 16 each share was asked for at once before its block, into L1, by the tile level
  * only: a burst of up to a few hundred prefetches that waited for miss buffers while the kernel
  * could not start (perf on AMD Zen 4: a fifth of the kernel's samples on its weight loads); the

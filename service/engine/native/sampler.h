@@ -74,9 +74,7 @@ __attribute__((target("avx2,fma"))) static int scale_max_avx2(const float *z, in
         _mm256_storeu_ps(s + i, x);
         best8 = _mm256_max_ps(x, best8);
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, best8);
-    for (int k = 0; k < 8; k++) *best = lanes[k] > *best ? lanes[k] : *best;
+    *best = hmax256(best8); /* (max_ps(x, best8) above has passed NaN scores by) */
     return n;
 }
 

@@ -37,17 +37,20 @@ def native(request: pytest.FixtureRequest, native_library: None) -> NativeStep:
 
 def torch_draws(
     logits: torch.Tensor, temps: list[float], top_k: list[int], top_p: list[float], min_p: list[float],
-    uniform: list[float],
+    uniform: list[float], seen: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+    **more: torch.Tensor,
 ) -> torch.Tensor:
+    """sample_tokens' draws for the native sampler's arguments; `more`: further SamplingBatch
+    columns (penalties, typical_p), with the rows' `seen` and `counts` for the penalties."""
     v = logits.shape[-1]
     ks = [k if 0 < k < v else v for k in top_k]
     temps = [max(t, 0.0) for t in temps]  # (rows the native sampler skips: greedy here, unused)
     batch = SamplingBatch(
         temperature=col(temps), greedy=torch.tensor([t == 0 for t in temps]),
         uniform=torch.tensor(uniform, dtype=torch.float64), top_k=torch.tensor(ks).view(-1, 1),
-        top_k_max=max(ks), top_p=col(top_p), min_p=col(min_p), any_greedy=0 in temps,
+        top_k_max=max(ks), top_p=col(top_p), min_p=col(min_p), any_greedy=0 in temps, **more,
     )
-    return sample_tokens(logits, batch)
+    return sample_tokens(logits, batch, seen=seen, counts=counts)
 
 
 def cases() -> list[torch.Tensor]:
@@ -126,15 +129,10 @@ def test_the_native_sampler_applies_the_penalties_as_sample_tokens_does(native: 
         native.sample(x, temps, top_k, top_p, min_p, uniform, out,
                       SamplePenalties(seen, counts, slot, rep, freq, pres))
 
-        ks = [k if k else width for k in top_k]
-        batch = SamplingBatch(
-            temperature=col(temps), greedy=torch.tensor([t == 0 for t in temps]),
-            uniform=torch.tensor(uniform, dtype=torch.float64), top_k=torch.tensor(ks).view(-1, 1),
-            top_k_max=max(ks), top_p=col(top_p), min_p=col(min_p), repetition_penalty=col(rep),
-            frequency_penalty=col(freq), presence_penalty=col(pres), any_greedy=True,
-        )
         index = torch.tensor(slot)
-        expected = sample_tokens(x, batch, seen=seen[index], counts=counts[index])
+        expected = torch_draws(x, temps, top_k, top_p, min_p, uniform, seen[index], counts[index],
+                               repetition_penalty=col(rep), frequency_penalty=col(freq),
+                               presence_penalty=col(pres))
         drawn = torch.tensor([t >= 0 for t in temps])
         assert torch.equal(out[drawn], expected[drawn]), f"width {width}"
         assert (out[~drawn] == -1).all()
@@ -195,13 +193,7 @@ def test_typical_p_draws_what_sample_tokens_draws_where_distances_are_apart(nati
         uniform = torch.rand(16, generator=g, dtype=torch.float64).tolist()
         out = torch.full((16,), -1, dtype=torch.int64)
         native.sample(x, temps, top_k, top_p, min_p, uniform, out, typical_p=typical)
-        ks = [k if 0 < k < width else width for k in top_k]
-        batch = SamplingBatch(
-            temperature=col(temps), greedy=torch.zeros(16, dtype=torch.bool),
-            uniform=torch.tensor(uniform, dtype=torch.float64), top_k=torch.tensor(ks).view(-1, 1),
-            top_k_max=max(ks), top_p=col(top_p), min_p=col(min_p), typical_p=col(typical),
-        )
-        expected = sample_tokens(x, batch)
+        expected = torch_draws(x, temps, top_k, top_p, min_p, uniform, typical_p=col(typical))
         for r in range(8):  # typical_p alone: the reference applies to these rows as they are
             _, d, cut = typical_reference(x[r], temps[r], typical[r])
             near = np.abs(d - cut)
