@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,6 +36,13 @@ if TYPE_CHECKING:
 class Generation:
     stream: GenerationStream
     events: AsyncIterator[TokenEvent]  # the stream's events, seen by metrics and the access log
+    # What `events`' wrappers record of each event, for events taken past them
+    # (`GenerationStream.consume_directly`): metrics and the access log see every event either way.
+    observers: tuple[Callable[[TokenEvent], None], ...] = ()
+
+    def observe(self, event: TokenEvent) -> None:
+        for observer in self.observers:
+            observer(event)
 
     async def aclose(self) -> None:
         """Cancel (if still running) and free the engine slot; safe to call twice."""
@@ -105,8 +112,10 @@ async def start_generation(
         raise
     record.started(stream.prompt_tokens, stream.cropped_tokens)
     arrival: float = request.state.arrival
-    tracked = request.app.state.metrics.track_stream(stream, route_template(request), arrival)
-    return Generation(stream, _recorded(tracked, request))
+    metrics, route = request.app.state.metrics, route_template(request)
+    stats = metrics.stream_record(stream, route, arrival)
+    tracked = metrics.track_stream(stream, route, arrival, stats)
+    return Generation(stream, _recorded(tracked, request), observers=(stats.on_event, record.observe))
 
 
 # Prompts up to this many characters are encoded on the event loop: that takes tens of microseconds;
@@ -134,9 +143,11 @@ def sse_response(
     trailer: Iterable[bytes] = (),
     headers: Mapping[str, str] | None = None,
 ) -> EventStreamResponse:
-    """Stream `gen` as server-sent events; events already waiting go out together."""
+    """Stream `gen` as server-sent events; events already waiting go out together, and under the
+    server's own protocol those in the middle are written as they arrive (`sse.DirectEvents`)."""
     return event_stream(gen.events, render, keepalive_s=settings.keepalive_interval, on_close=gen.aclose,
-                        trailer=trailer, headers=headers, ready=gen.stream.ready)
+                        trailer=trailer, headers=headers, ready=gen.stream.ready,
+                        direct=(gen.stream.consume_directly, gen.observe))
 
 
 async def _recorded(events: AsyncIterator[TokenEvent], request: Request) -> AsyncIterator[TokenEvent]:

@@ -83,6 +83,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from service.access_log import configure_logging
     from service.app import create_app, engine_config
     from service.engine.threads import single_threaded_elsewhere
+    from service.http_protocol import NanoserveHttpProtocol
 
     # Before the first torch op: only the engine thread may start an OpenMP pool.
     single_threaded_elsewhere()
@@ -110,6 +111,7 @@ def run_serve(args: argparse.Namespace) -> int:
         lifespan="on",
         timeout_graceful_shutdown=FLUSH_TIMEOUT_S,
         proxy_headers=False,
+        http=NanoserveHttpProtocol,  # streams write mid-stream events without ASGI (http_protocol.py)
     )
     server = DrainingServer(config, app, settings.drain_timeout)
     try:

@@ -9,6 +9,9 @@
   shared error shape with a typed `code`, and then the stream ends.
 - A client that disconnects cancels its generation: the response's `finally` closes the
   `GenerationStream`, which frees the engine slot within a step.
+- Under the server's own protocol (`service/http_protocol.py`) a stream's events in the middle are
+  written from the engine's per-step callback, without waking the response's task
+  (`DirectEvents`); its first bytes, its last event, errors and keep-alives go through ASGI.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -26,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 
 from service.engine.types import FinishReason, TokenEvent
 from service.errors import error_body
+from service.http_protocol import BodyWriter, body_writer
 
 log = logging.getLogger("nanoserve.sse")
 
@@ -69,6 +74,25 @@ def sse_error(message: str, code: str, status: int = 500) -> bytes:
     return sse_event(error_body(status, message, code), event="error")
 
 
+Render = Callable[[TokenEvent], Iterable[bytes]]
+Attach = Callable[[Callable[[TokenEvent], bool] | None], None]  # GenerationStream.consume_directly
+
+
+@dataclass(frozen=True)
+class DirectEvents:
+    """How a response's events in the middle of the stream can skip its body task.
+
+    `attach(take)` has each event offered to `take` while the body waits for the next one (None
+    detaches: `GenerationStream.consume_directly`); an event `take` returns True for never reaches
+    the body's iterator, so `observe` must record it as that iterator's wrappers would have (the
+    metrics and the access log), and `render` is the one the body would have used.
+    """
+
+    attach: Attach
+    observe: Callable[[TokenEvent], None]
+    render: Render
+
+
 class EventStreamResponse(StreamingResponse):
     """A StreamingResponse that sends keep-alives and always runs `on_close` (shielded).
 
@@ -80,6 +104,12 @@ class EventStreamResponse(StreamingResponse):
 
     A client that disconnects cancels the body (see `__call__`); cleanup that awaits must be
     shielded from that cancellation or it would never run and the engine slot would stay taken.
+
+    With `direct` and the server's `BodyWriter` in the scope, events in the middle of the stream are
+    rendered and written from the callback that delivers them (`_take`): per token that skips the
+    task's wake-up, the generators between the inbox and here, and every `send` wrapper, which was
+    most of the event loop's cost a streamed token (docs/engine.md, session 20). The body's own
+    path still sends the first bytes, each event it is woken for, the last event and the end.
     """
 
     media_type = "text/event-stream"
@@ -90,24 +120,55 @@ class EventStreamResponse(StreamingResponse):
         on_close: Callable[[], Awaitable[None]] | None = None,
         headers: Mapping[str, str] | None = None,
         keepalive_s: float | None = None,
+        direct: DirectEvents | None = None,
     ) -> None:
         super().__init__(content, headers={**SSE_HEADERS, **(headers or {})})
         self._content = content
         self._on_close = on_close
         self._keepalive_s = keepalive_s
+        self._direct = direct
+        self._writer: BodyWriter | None = None  # set from the scope (__call__)
 
     async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         lock = asyncio.Lock()
         with _KeepAlive(send, lock, self._keepalive_s) as keepalive:
-            async for chunk in self._content:
-                async with lock:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                keepalive.sent()
+            direct = self._direct if self._writer is not None else None
+            if direct is not None:
+                direct.attach(self._take(direct, self._writer, lock, keepalive))  # type: ignore[arg-type]
+            try:
+                async for chunk in self._content:
+                    async with lock:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    keepalive.sent()
+            finally:
+                if direct is not None:
+                    direct.attach(None)
         async with lock:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    @staticmethod
+    def _take(
+        direct: DirectEvents, writer: BodyWriter, lock: asyncio.Lock, keepalive: _KeepAlive
+    ) -> Callable[[TokenEvent], bool]:
+        def take(event: TokenEvent) -> bool:
+            # The last event (and an error, which is one) ends the stream: the body's path sends it,
+            # then the trailer and the end. A keep-alive being sent, or a socket that is not free
+            # (back-pressure, gone), likewise leaves the event to the body, whose send waits.
+            if event.finish_reason is not None or lock.locked() or not writer.ready():
+                return False
+            data = b"".join(direct.render(event))
+            direct.observe(event)
+            if data:
+                writer.write(data)
+                keepalive.sent()
+            return True
+
+        return take
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._direct is not None:
+            self._writer = body_writer(scope)
         # The body runs in its own task, as in Starlette, and for the same reason: a task resumes
         # through every frame it awaits from, and the request's own task is ~20 frames deep in
         # the server's, middlewares' and router's coroutines, which each token's wake-up would
@@ -180,9 +241,6 @@ class _KeepAlive:
             log.debug("keep-alive send failed", exc_info=True)
 
 
-Render = Callable[[TokenEvent], Iterable[bytes]]
-
-
 async def _encode(
     events: AsyncIterator[TokenEvent],
     render: Render,
@@ -230,12 +288,15 @@ def event_stream(
     trailer: Iterable[bytes] = (),
     headers: Mapping[str, str] | None = None,
     ready: Callable[[], int] | None = None,
+    direct: tuple[Attach, Callable[[TokenEvent], None]] | None = None,
 ) -> EventStreamResponse:
     """Stream `events` as SSE: `render` turns each event into zero or more encoded SSE events.
 
     `trailer` is sent after the final event of a successful generation (OpenAI's `data: [DONE]`).
     An engine error event becomes `event: error` with code `generation_error` and ends the stream.
     `ready` (how many events are already waiting) lets those be sent in one body chunk.
+    `direct` (attach, observe): see `DirectEvents`; `render` serves both paths.
     """
     body = _encode(events, render, trailer, ready)
-    return EventStreamResponse(body, on_close=on_close, headers=headers, keepalive_s=keepalive_s)
+    how = DirectEvents(direct[0], direct[1], render) if direct is not None else None
+    return EventStreamResponse(body, on_close=on_close, headers=headers, keepalive_s=keepalive_s, direct=how)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 class Inbox(Generic[T]):
@@ -22,11 +25,14 @@ class Inbox(Generic[T]):
     ever, and any item `urgent` says is, wake it at once): a stream then wakes, and writes to
     its socket, once per `wake_every` tokens instead of once per token (`--stream-interval`).
 
-    Both methods run on the loop's thread only (the engine hands events over with
+    `consume_directly(consumer)` offers items to a plain callback while the reader waits on an
+    empty inbox (streams write their events from there, without waking their task).
+
+    All of it runs on the loop's thread only (the engine hands events over with
     `call_soon_threadsafe`).
     """
 
-    __slots__ = ("_items", "_loop", "_started", "_urgent", "_waiter", "_wake_every")
+    __slots__ = ("_consumer", "_items", "_loop", "_started", "_urgent", "_waiter", "_wake_every")
 
     def __init__(
         self,
@@ -42,8 +48,28 @@ class Inbox(Generic[T]):
         self._wake_every = wake_every
         self._urgent = urgent
         self._started = False  # has any item been put yet (the first one always wakes the reader)
+        self._consumer: Callable[[T], bool] | None = None
+
+    def consume_directly(self, consumer: Callable[[T], bool] | None) -> None:
+        """While the reader waits on an empty inbox, offer each item to `consumer` first: an item it
+        takes (returns True) is never queued and wakes nobody. One it declines (or raises on) is
+        queued and wakes the reader as usual, and so is every later item until the reader has taken
+        them all and waits again: items reach the consumer or the reader in their order. None stops
+        it. Only for a reader woken on every item: one woken every `wake_every` wants them batched."""
+        if self._wake_every == 1:
+            self._consumer = consumer
 
     def put(self, item: T) -> None:
+        consumer, waiter = self._consumer, self._waiter
+        if consumer is not None and waiter is not None and not self._items and not waiter.done():
+            try:
+                taken = consumer(item)
+            except Exception:  # a bug; the reader's own path then handles the item
+                log.exception("an inbox consumer failed; the item goes to the reader")
+                taken = False
+            if taken:
+                self._started = True
+                return
         self._items.append(item)
         first, self._started = not self._started, True
         waiter = self._waiter

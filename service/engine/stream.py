@@ -48,6 +48,11 @@ class GenerationStream:
             self._done = True
             self._cancel(self._request)
 
+    def consume_directly(self, consumer: Callable[[TokenEvent], bool] | None) -> None:
+        """Offer events to `consumer` while the reader waits for the next one (see
+        `Inbox.consume_directly`); events it takes are not returned by `__anext__`."""
+        self._request.queue.consume_directly(consumer)
+
     def ready(self) -> int:
         """Events already here: the next that many `__anext__` calls return without waiting."""
         return len(self._request.queue)

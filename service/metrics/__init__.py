@@ -31,7 +31,7 @@ from service.engine.types import EngineObserver, TokenEvent
 from service.metrics.engine import EngineCollector, EngineMetricsObserver, StatsSource
 from service.metrics.http import HTTPMetricsMiddleware, arrival_time
 from service.metrics.instruments import LATENCY_BUCKETS, Instruments
-from service.metrics.stream import TrackableStream, track_stream
+from service.metrics.stream import StreamRecord, TrackableStream, track_stream
 
 __all__ = ["LATENCY_BUCKETS", "Metrics", "arrival_time"]
 
@@ -70,11 +70,16 @@ class Metrics:
         """Add the HTTP middleware to a Starlette/FastAPI app (before it starts)."""
         app.add_middleware(HTTPMetricsMiddleware, instruments=self.instruments, routes=app.router.routes)
 
+    def stream_record(self, stream: TrackableStream, route: str, arrival: float) -> StreamRecord:
+        """A request's record, for `track_stream` and for events that go past it (`on_event`)."""
+        return StreamRecord(self.instruments, route, arrival, stream.prompt_tokens)
+
     def track_stream(
-        self, stream: TrackableStream, route: str, arrival: float
+        self, stream: TrackableStream, route: str, arrival: float, record: StreamRecord | None = None
     ) -> AsyncGenerator[TokenEvent, None]:
-        """Wrap a `GenerationStream`: same events, recorded (TTFT from `arrival`, ITL, tokens, finish)."""
-        return track_stream(self.instruments, stream, route, arrival)
+        """Wrap a `GenerationStream`: same events, recorded (TTFT from `arrival`, ITL, tokens, finish)
+        into `record` (`stream_record`; a new one by default)."""
+        return track_stream(self.instruments, stream, route, arrival, record)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type, for the GET /metrics response."""

@@ -32,7 +32,7 @@ class TrackableStream(Protocol):
     async def aclose(self) -> None: ...
 
 
-class _RequestRecord:
+class StreamRecord:
     """Running state of one tracked request; records into the instruments as events pass."""
 
     def __init__(self, m: Instruments, route: str, arrival: float, prompt_tokens: int) -> None:
@@ -73,10 +73,14 @@ class _RequestRecord:
 
 
 async def track_stream(
-    m: Instruments, stream: TrackableStream, route: str, arrival: float
+    m: Instruments, stream: TrackableStream, route: str, arrival: float, record: StreamRecord | None = None
 ) -> AsyncGenerator[TokenEvent, None]:
-    """Yield `stream`'s events unchanged while recording them; closing this early closes `stream`."""
-    record = _RequestRecord(m, route, arrival, stream.prompt_tokens)
+    """Yield `stream`'s events unchanged while recording them; closing this early closes `stream`.
+
+    `record`: where to record (events the caller takes past this generator go to its `on_event`);
+    a new one by default."""
+    if record is None:
+        record = StreamRecord(m, route, arrival, stream.prompt_tokens)
     m.prompt_tokens.inc(stream.prompt_tokens)
     m.cropped_tokens.inc(stream.cropped_tokens)
     try:

@@ -20,6 +20,7 @@ import uvicorn
 
 from service.app import create_app
 from service.engine.types import FinishReason
+from service.http_protocol import NanoserveHttpProtocol
 from service.metrics import Metrics
 from service.settings import Settings
 
@@ -27,11 +28,13 @@ FAULT = "FAULTY"  # prompts containing this get NaN logits (the engine's test-on
 
 
 @contextmanager
-def serve_in_thread(checkpoint: Path) -> Iterator[tuple[str, Metrics]]:
+def serve_in_thread(checkpoint: Path, http: type[asyncio.Protocol] | str = NanoserveHttpProtocol
+                    ) -> Iterator[tuple[str, Metrics]]:
+    """The app on a uvicorn thread, by default with the protocol `nanoserve serve` runs."""
     settings = Settings(checkpoint=checkpoint, device="cpu", max_seqs=1, max_queue=1, keepalive_interval=0.2,
                         drain_timeout=1.0, max_new_tokens=1_000_000, fault_injection=f"nan:{FAULT}")
     app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", http=http))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     try:

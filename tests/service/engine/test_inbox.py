@@ -80,3 +80,72 @@ async def test_wake_every_lets_the_reader_sleep_until_a_batch_is_in() -> None:
 async def test_wake_every_must_be_positive() -> None:
     with pytest.raises(ValueError, match="wake_every must be at least 1"):
         Inbox(asyncio.get_running_loop(), wake_every=0)
+
+
+async def test_a_direct_consumer_takes_items_only_while_the_reader_waits_on_an_empty_inbox() -> None:
+    inbox: Inbox[int] = Inbox(asyncio.get_running_loop())
+    taken: list[int] = []
+    inbox.consume_directly(lambda item: taken.append(item) is None)
+    inbox.put(0)  # no reader waiting yet: queued
+    reader = asyncio.ensure_future(inbox.get())
+    assert await asyncio.wait_for(reader, 5) == 0
+    reader = asyncio.ensure_future(inbox.get())
+    await asyncio.sleep(0)  # the reader now waits on an empty inbox
+    inbox.put(1)
+    inbox.put(2)
+    assert taken == [1, 2] and len(inbox) == 0 and not reader.done()  # taken: nobody was woken
+    inbox.consume_directly(None)
+    inbox.put(3)
+    assert await asyncio.wait_for(reader, 5) == 3
+    assert taken == [1, 2]
+
+
+async def test_after_a_declined_item_later_ones_queue_behind_it_until_the_reader_catches_up() -> None:
+    inbox: Inbox[int] = Inbox(asyncio.get_running_loop())
+    taken: list[int] = []
+
+    def take(item: int) -> bool:
+        if item == 2:
+            return False  # e.g. the socket is applying back-pressure
+        taken.append(item)
+        return True
+
+    inbox.consume_directly(take)
+    reader = asyncio.ensure_future(inbox.get())
+    await asyncio.sleep(0)
+    for item in (1, 2, 3, 4):
+        inbox.put(item)
+    # 2 woke the reader; 3 and 4 came before it ran, so they wait behind 2, in order.
+    assert taken == [1]
+    assert await asyncio.wait_for(reader, 5) == 2
+    assert [await inbox.get(), await inbox.get()] == [3, 4]
+    reader = asyncio.ensure_future(inbox.get())
+    await asyncio.sleep(0)
+    inbox.put(5)  # the reader has caught up and waits again: direct once more
+    assert taken == [1, 5] and not reader.done()
+    reader.cancel()
+
+
+async def test_a_consumer_that_raises_leaves_the_item_to_the_reader() -> None:
+    inbox: Inbox[int] = Inbox(asyncio.get_running_loop())
+
+    def broken(item: int) -> bool:
+        raise RuntimeError("a bug")
+
+    inbox.consume_directly(broken)
+    reader = asyncio.ensure_future(inbox.get())
+    await asyncio.sleep(0)
+    inbox.put(9)
+    assert await asyncio.wait_for(reader, 5) == 9
+
+
+async def test_no_direct_consumer_for_a_reader_woken_every_few_items() -> None:
+    inbox: Inbox[int] = Inbox(asyncio.get_running_loop(), wake_every=4)
+    taken: list[int] = []
+    inbox.consume_directly(lambda item: taken.append(item) is None)
+    reader = asyncio.ensure_future(inbox.get())
+    await asyncio.sleep(0)
+    for item in range(4):
+        inbox.put(item)
+    assert taken == []  # it wants its items batched
+    assert await asyncio.wait_for(reader, 5) == 0

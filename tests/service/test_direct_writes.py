@@ -1,0 +1,122 @@
+"""Mid-stream events written straight to the socket (service/http_protocol.py, sse.DirectEvents):
+the same bytes as through ASGI, each event counted by the metrics and the access log, and the
+writer only ever used where a chunk cannot land out of order."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from service.http_protocol import BodyWriter, NanoserveHttpProtocol, body_writer
+from tests.service.test_metrics_server import sample, serve_in_thread
+
+NEW_TOKENS = 12
+
+
+async def stream(url: str) -> bytes:
+    """A greedy /generate_stream of NEW_TOKENS tokens, its body as the client got it."""
+    request = {"inputs": "Hello", "parameters": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "seed": 7}}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client, \
+            client.stream("POST", "/generate_stream", json=request) as response:
+        assert response.status_code == 200
+        return b"".join([chunk async for chunk in response.aiter_bytes()])
+
+
+def events_of(body: bytes) -> list[dict[str, Any]]:
+    lines = body.decode().split("\n")
+    return [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+
+
+async def test_mid_stream_events_go_out_directly_with_the_same_bytes_and_counts(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    written: list[bytes] = []
+    write = BodyWriter.write
+
+    def recorded(self: BodyWriter, data: bytes) -> None:
+        written.append(data)
+        write(self, data)
+
+    monkeypatch.setattr(BodyWriter, "write", recorded)
+    with serve_in_thread(tiny_checkpoint, http="httptools") as (url, _):
+        through_asgi = await stream(url)  # uvicorn's own protocol: no writer in the scope
+    assert written == []
+    with serve_in_thread(tiny_checkpoint) as (url, metrics), \
+            caplog.at_level(logging.INFO, logger="nanoserve.access"):
+        tokens, ttfts, itls = (sample(metrics, name) for name in (
+            "nanoserve_generated_tokens_total", "nanoserve_time_to_first_token_seconds_count",
+            "nanoserve_inter_token_latency_seconds_count"))
+        direct = await stream(url)
+        assert sample(metrics, "nanoserve_generated_tokens_total") - tokens == NEW_TOKENS
+        assert sample(metrics, "nanoserve_time_to_first_token_seconds_count") - ttfts == 1
+        assert sample(metrics, "nanoserve_inter_token_latency_seconds_count") - itls == NEW_TOKENS - 1
+    assert direct == through_asgi  # greedy: the same tokens, the same bytes
+    events = events_of(direct)
+    assert [e["index"] for e in events] == list(range(NEW_TOKENS))
+    assert events[-1]["details"]["generated_tokens"] == NEW_TOKENS
+    assert events[-1]["generated_text"] == "".join(e["token"]["text"] for e in events)
+    # The last event always goes through ASGI; the first may too (it can arrive before the body
+    # waits for it). The rest went out one write each, in order.
+    assert NEW_TOKENS - 2 <= len(written) <= NEW_TOKENS - 1
+    assert [e["index"] for w in written for e in events_of(w)] == list(range(NEW_TOKENS - 1 - len(written),
+                                                                          NEW_TOKENS - 1))
+    logged = [getattr(r, "fields", {}) for r in caplog.records if r.name == "nanoserve.access"]
+    (line,) = [fields for fields in logged if fields.get("route") == "/generate_stream"]
+    assert line["generated_tokens"] == NEW_TOKENS and line["finish_reason"] == "length"
+
+
+async def writer_app(scope: Any, receive: Any, send: Any) -> None:
+    """Reports what the BodyWriter allowed at each point of a response, in its body."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    writer = body_writer(scope)
+    assert writer is not None
+    before_start = writer.ready()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": b"asgi;", "more_body": True})
+    if writer.ready():
+        writer.write(b"direct;")
+    await send({"type": "http.response.body", "body": f"ready before start: {before_start}".encode(),
+                "more_body": False})
+    assert not writer.ready()  # complete: nothing more may be written
+
+
+async def test_the_writer_frames_chunks_between_asgi_sends_and_only_while_the_body_is_open() -> None:
+    config = uvicorn.Config(writer_app, host="127.0.0.1", port=0, log_level="warning",
+                            http=NanoserveHttpProtocol)
+    server = uvicorn.Server(config)
+    serving = asyncio.ensure_future(server.serve())
+    try:
+        for _ in range(500):
+            if server.started:
+                break
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        async with httpx.AsyncClient(timeout=10) as client:
+            response = await client.get(f"http://127.0.0.1:{port}/")
+        head_response = await asyncio.wait_for(_raw_head(port), 10)
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 10)
+    assert response.status_code == 200
+    assert response.text == "asgi;direct;ready before start: False"
+    # HEAD has no body to write into: the writer stays out, and the response is still well formed.
+    assert head_response.startswith(b"HTTP/1.1 200") and b"direct;" not in head_response
+
+
+async def _raw_head(port: int) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"HEAD / HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\r\n")
+    data = await reader.read()
+    writer.close()
+    return data
