@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +121,58 @@ async def _raw_head(port: int) -> bytes:
     data = await reader.read()
     writer.close()
     return data
+
+
+def dechunk(raw: bytes) -> bytes:
+    """The body of a chunked HTTP/1.1 response (head included in `raw`)."""
+    _, _, rest = raw.partition(b"\r\n\r\n")
+    body = b""
+    while True:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            return body
+        body, rest = body + rest[:size], rest[size + 2:]
+
+
+class SmallSendBuffer(NanoserveHttpProtocol):
+    """The server's protocol on sockets with a small kernel send buffer: back-pressure comes soon."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        super().connection_made(transport)
+
+
+async def test_a_slow_reader_gets_every_event_in_order_while_back_pressure_sends_them_through_asgi(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    written: list[bytes] = []
+    write = BodyWriter.write
+
+    def recorded(self: BodyWriter, data: bytes) -> None:
+        written.append(data)
+        write(self, data)
+
+    monkeypatch.setattr(BodyWriter, "write", recorded)
+    tokens = 2000
+    request = json.dumps({"inputs": "Hello", "parameters": {
+        "max_new_tokens": tokens, "temperature": 0, "top_n_tokens": 5, "details": True}}).encode()
+    with serve_in_thread(tiny_checkpoint, http=SmallSendBuffer) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"POST /generate_stream HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Connection: close\r\n" + f"Content-Length: {len(request)}\r\n\r\n".encode() + request)
+        sock.settimeout(60)
+        raw = sock.recv(1024)
+        await asyncio.sleep(2)  # read nothing while the engine runs on: the socket fills up
+        while chunk := await asyncio.to_thread(sock.recv, 65536):
+            raw += chunk
+        sock.close()
+    events = events_of(dechunk(raw))
+    assert [e["index"] for e in events] == list(range(tokens))
+    assert events[-1]["generated_text"] == "".join(e["token"]["text"] for e in events)
+    # Some events went out directly, and the ones that met a full socket went through ASGI.
+    print(f"{len(written)} of {tokens - 1} mid-stream events written directly")
+    assert 0 < len(written) < tokens - 1
