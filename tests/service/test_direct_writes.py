@@ -35,17 +35,23 @@ def events_of(body: bytes) -> list[dict[str, Any]]:
     return [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
 
 
-async def test_mid_stream_events_go_out_directly_with_the_same_bytes_and_counts(
-    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    written: list[bytes] = []
+@pytest.fixture
+def written(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every chunk a BodyWriter writes, in order."""
+    chunks: list[bytes] = []
     write = BodyWriter.write
 
     def recorded(self: BodyWriter, data: bytes) -> None:
-        written.append(data)
+        chunks.append(data)
         write(self, data)
 
     monkeypatch.setattr(BodyWriter, "write", recorded)
+    return chunks
+
+
+async def test_mid_stream_events_go_out_directly_with_the_same_bytes_and_counts(
+    tiny_checkpoint: Path, written: list[bytes], caplog: pytest.LogCaptureFixture
+) -> None:
     with serve_in_thread(tiny_checkpoint, http="httptools") as (url, _):
         through_asgi = await stream(url)  # uvicorn's own protocol: no writer in the scope
     assert written == []
@@ -144,16 +150,8 @@ class SmallSendBuffer(NanoserveHttpProtocol):
 
 
 async def test_a_slow_reader_gets_every_event_in_order_while_back_pressure_sends_them_through_asgi(
-    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_checkpoint: Path, written: list[bytes]
 ) -> None:
-    written: list[bytes] = []
-    write = BodyWriter.write
-
-    def recorded(self: BodyWriter, data: bytes) -> None:
-        written.append(data)
-        write(self, data)
-
-    monkeypatch.setattr(BodyWriter, "write", recorded)
     tokens = 2000
     request = json.dumps({"inputs": "Hello", "parameters": {
         "max_new_tokens": tokens, "temperature": 0, "top_n_tokens": 5, "details": True}}).encode()
