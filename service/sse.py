@@ -11,7 +11,7 @@
   `GenerationStream`, which frees the engine slot within a step.
 - Under the server's own protocol (`service/http_protocol.py`) a stream's events in the middle are
   written from the engine's per-step callback, without waking the response's task
-  (`DirectEvents`); its first bytes, its last event, errors and keep-alives go through ASGI.
+  (`DirectEvents`); its start, its last event, errors and keep-alives go through ASGI.
 """
 
 from __future__ import annotations
@@ -107,9 +107,9 @@ class EventStreamResponse(StreamingResponse):
 
     With `direct` and the server's `BodyWriter` in the scope, events in the middle of the stream are
     rendered and written from the callback that delivers them (`_take`): per token that skips the
-    task's wake-up, the generators between the inbox and here, and every `send` wrapper, which was
-    most of the event loop's cost a streamed token (docs/engine.md, session 20). The body's own
-    path still sends the first bytes, each event it is woken for, the last event and the end.
+    task's wake-up, the generators between the inbox and here, and every `send` wrapper: about a
+    quarter of the event loop's CPU a streamed token (docs/engine.md, session 20). The body's own
+    path still sends the response's start, each event it is woken for, the last event and the end.
     """
 
     media_type = "text/event-stream"
