@@ -8,6 +8,8 @@ HTTP throughput (docs/engine.md, session 20). So every request's scope carries a
 (`scope["extensions"][BODY_WRITER]`) that writes a chunk of a started, chunked body to the
 transport at once, from a plain callback: `sse.py` uses it for the events of a stream in the
 middle (never its start or end, which go through ASGI as before, so the middlewares see them).
+That holds only while no middleware rewrites a response body (compression, say): the app's
+middlewares look at the start and the end alone.
 """
 
 from __future__ import annotations
