@@ -37,8 +37,12 @@ class Generation:
     stream: GenerationStream
     events: AsyncIterator[TokenEvent]  # the stream's events, seen by metrics and the access log
     # What `events`' wrappers record of each event, for events taken past them
-    # (`GenerationStream.consume_directly`): metrics and the access log see every event either way.
+    # (`consume_directly`): metrics and the access log see every event either way.
     observers: tuple[Callable[[TokenEvent], None], ...] = ()
+
+    def consume_directly(self, consumer: Callable[[TokenEvent], bool] | None) -> None:
+        """`GenerationStream.consume_directly`; an event taken is recorded by `observe`."""
+        self.stream.consume_directly(consumer)
 
     def observe(self, event: TokenEvent) -> None:
         for observer in self.observers:
@@ -146,8 +150,7 @@ def sse_response(
     """Stream `gen` as server-sent events; events already waiting go out together, and under the
     server's own protocol those in the middle are written as they arrive (`sse.DirectEvents`)."""
     return event_stream(gen.events, render, keepalive_s=settings.keepalive_interval, on_close=gen.aclose,
-                        trailer=trailer, headers=headers, ready=gen.stream.ready,
-                        direct=(gen.stream.consume_directly, gen.observe))
+                        trailer=trailer, headers=headers, ready=gen.stream.ready, direct=gen)
 
 
 async def _recorded(events: AsyncIterator[TokenEvent], request: Request) -> AsyncIterator[TokenEvent]:

@@ -20,7 +20,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from pydantic import BaseModel
@@ -75,21 +75,26 @@ def sse_error(message: str, code: str, status: int = 500) -> bytes:
 
 
 Render = Callable[[TokenEvent], Iterable[bytes]]
-Attach = Callable[[Callable[[TokenEvent], bool] | None], None]  # GenerationStream.consume_directly
+
+
+class DirectSource(Protocol):
+    """A generation whose events in the middle of the stream can skip the response's body task
+    (`generation.Generation`)."""
+
+    def consume_directly(self, consumer: Callable[[TokenEvent], bool] | None) -> None:
+        """Offer each event to `consumer` while the body waits for the next one; None stops it.
+        An event it returns True for never reaches the body's iterator."""
+
+    def observe(self, event: TokenEvent) -> None:
+        """Record an event taken that way as the body iterator's wrappers would have (the metrics
+        and the access log)."""
 
 
 @dataclass(frozen=True)
 class DirectEvents:
-    """How a response's events in the middle of the stream can skip its body task.
+    """The generation's events offered past the body, and the render the body would have used."""
 
-    `attach(take)` has each event offered to `take` while the body waits for the next one (None
-    detaches: `GenerationStream.consume_directly`); an event `take` returns True for never reaches
-    the body's iterator, so `observe` must record it as that iterator's wrappers would have (the
-    metrics and the access log), and `render` is the one the body would have used.
-    """
-
-    attach: Attach
-    observe: Callable[[TokenEvent], None]
+    source: DirectSource
     render: Render
 
 
@@ -135,7 +140,7 @@ class EventStreamResponse(StreamingResponse):
         with _KeepAlive(send, lock, self._keepalive_s) as keepalive:
             direct = self._direct if self._writer is not None else None
             if direct is not None:
-                direct.attach(self._take(direct, self._writer, lock, keepalive))  # type: ignore[arg-type]
+                direct.source.consume_directly(self._take(direct, self._writer, lock, keepalive))  # type: ignore[arg-type]
             try:
                 async for chunk in self._content:
                     async with lock:
@@ -143,7 +148,7 @@ class EventStreamResponse(StreamingResponse):
                     keepalive.sent()
             finally:
                 if direct is not None:
-                    direct.attach(None)
+                    direct.source.consume_directly(None)
         async with lock:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -158,7 +163,7 @@ class EventStreamResponse(StreamingResponse):
             if event.finish_reason is not None or lock.locked() or not writer.ready():
                 return False
             data = b"".join(direct.render(event))
-            direct.observe(event)
+            direct.source.observe(event)
             if data:
                 writer.write(data)
                 keepalive.sent()
@@ -288,15 +293,16 @@ def event_stream(
     trailer: Iterable[bytes] = (),
     headers: Mapping[str, str] | None = None,
     ready: Callable[[], int] | None = None,
-    direct: tuple[Attach, Callable[[TokenEvent], None]] | None = None,
+    direct: DirectSource | None = None,
 ) -> EventStreamResponse:
     """Stream `events` as SSE: `render` turns each event into zero or more encoded SSE events.
 
     `trailer` is sent after the final event of a successful generation (OpenAI's `data: [DONE]`).
     An engine error event becomes `event: error` with code `generation_error` and ends the stream.
     `ready` (how many events are already waiting) lets those be sent in one body chunk.
-    `direct` (attach, observe): see `DirectEvents`; `render` serves both paths.
+    `direct`: the generation, whose events in the middle may skip the body (`DirectSource`);
+    `render` serves both paths.
     """
     body = _encode(events, render, trailer, ready)
-    how = DirectEvents(direct[0], direct[1], render) if direct is not None else None
+    how = DirectEvents(direct, render) if direct is not None else None
     return EventStreamResponse(body, on_close=on_close, headers=headers, keepalive_s=keepalive_s, direct=how)
