@@ -41,6 +41,7 @@ from service.access_log import RequestContextMiddleware
 from service.api_docs import install_openapi
 from service.auth import require_api_key
 from service.deps import EngineDep, SettingsDep, get_engine, get_settings, server_version
+from service.encoding import EncodeQueue
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.threads import single_threaded_executor
@@ -64,6 +65,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         native_isa=settings.native_isa,
         max_seqs=settings.max_seqs,
         max_queue=settings.max_queue,
+        max_waiting_per_client=settings.max_waiting_per_client,
         max_context=settings.max_context,
         prefill_budget=settings.prefill_budget,
         idle_prefill_budget=settings.idle_prefill_budget,
@@ -173,6 +175,7 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app.state.api_keys = settings.api_key_values()
     app.state.lifecycle = Lifecycle()
     app.state.metrics = Metrics()
+    app.state.encode_queue = EncodeQueue(settings.max_pending_encode_chars)
     install_error_handlers(app)
     _include_routers(app)
     install_openapi(app)

@@ -23,6 +23,8 @@ import anyio
 from starlette.requests import Request
 
 from service.access_log import record_of
+from service.clients import client_id
+from service.encoding import encode, prompt_too_long
 from service.engine.types import FinishReason, InvalidRequest, SamplingParams, TokenEvent
 from service.errors import APIError
 from service.settings import Settings
@@ -98,18 +100,22 @@ async def start_generation(
     limit = request.app.state.settings.max_prompt_tokens
     if not prompt:
         raise APIError(422, f"{param} must not be empty", code="empty_prompt", param=param)
-    # Encode once, off the event loop, and hand the engine the ids: it would otherwise encode the
-    # text again, on the loop.
-    ids = await encode(engine, prompt, param) if isinstance(prompt, str) else prompt
-    n_tokens = len(ids)
-    if n_tokens > limit:
-        raise APIError(422, f"{param} has {n_tokens} tokens, more than this server's limit of {limit}",
-                       code="prompt_too_long", param=param)
+    client = client_id(request)
+    # Cheap refusals first: a full queue or an over-long text is refused before any encoding.
+    engine.check_admission(client)
+    if isinstance(prompt, str):
+        # Encode once, off the event loop when long, and hand the engine the ids: it would
+        # otherwise encode the text again, on the loop.
+        ids = await encode(engine, request.app.state.encode_queue, prompt, limit, param)
+    elif len(prompt) > limit:
+        raise prompt_too_long(len(prompt), limit, param)
+    else:
+        ids = prompt
     record = record_of(request)
     try:
         stream = await engine.generate(
             ids, params, request_id=record.request_id,
-            stream_interval=request.app.state.settings.stream_interval,
+            stream_interval=request.app.state.settings.stream_interval, client=client,
         )
     except InvalidRequest as exc:
         exc.param = exc.param or param
@@ -120,23 +126,6 @@ async def start_generation(
     stats = metrics.stream_record(stream, route, arrival)
     tracked = metrics.track_stream(stream, route, arrival, stats)
     return Generation(stream, _recorded(tracked, request), observers=(stats.on_event, record.observe))
-
-
-# Prompts up to this many characters are encoded on the event loop: that takes tens of microseconds;
-# a worker-thread hop costs more (a thread pool round trip per request); longer ones go to a thread
-# so a multi-MB prompt cannot stall every stream.
-INLINE_ENCODE_CHARS = 1024  # the char tokenizer: ~55 us for 1024 characters
-
-
-async def encode(engine: Engine, text: str, param: str = "inputs") -> list[int]:
-    """Token ids of `text` (a long one off the event loop); 422 names `param`."""
-    try:
-        if len(text) <= INLINE_ENCODE_CHARS:
-            return engine.encode(text)
-        return await asyncio.to_thread(engine.encode, text)
-    except InvalidRequest as exc:
-        exc.param = param  # the engine says "inputs"; the OpenAI routes call it "prompt"/"messages"
-        raise
 
 
 def sse_response(

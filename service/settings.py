@@ -110,6 +110,22 @@ class Settings(BaseSettings):
         default_factory=list, description="Origins allowed cross-origin access; empty = CORS off."
     )
 
+    # Fairness and admission.
+    max_waiting_per_client: int | None = Field(
+        default=None, ge=1,
+        description="Waiting requests one client may have; beyond, 429 (default: half of max_queue). "
+        "A client is its API key when keys are set, else its address (or client_id_header).",
+    )
+    client_id_header: str | None = Field(
+        default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9-]+$",
+        description="A header a trusted proxy sets to identify the caller (e.g. X-Forwarded-For), "
+        "used for fairness instead of the peer address when API keys are not set.",
+    )
+    max_pending_encode_chars: int = Field(
+        default=4 << 20, ge=1024,
+        description="Prompt characters waiting to be tokenized off the event loop; beyond, 429.",
+    )
+
     # Lifecycle and logs.
     drain_timeout: float = Field(
         default=30.0,

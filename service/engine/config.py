@@ -26,6 +26,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     max_seqs: int = 16  # KV slots = max concurrent running sequences
     max_queue: int = 64  # waiting requests beyond which generate() raises Overloaded
+    # Waiting requests one client (generate's `client`) may have; beyond, Overloaded. None: half
+    # of max_queue, so one caller cannot fill the queue and turn everyone else away.
+    max_waiting_per_client: int | None = None
     prefill_budget: int = 256  # prompt tokens prefilled per step (chunked prefill)
     # Prompt tokens per step when no sequence is decoding: nobody's next token waits on the step,
     # so more prompts are prefilled at once (still cut into prefill_budget-sized chunks).
@@ -57,6 +60,12 @@ class EngineConfig:
     # raises whenever such a row is in the batch. Never set it in production.
     fault_injection: str | None = None
 
+    def client_queue_share(self) -> int:
+        """Waiting requests one client may have (max_waiting_per_client, default half the queue)."""
+        if self.max_waiting_per_client is not None:
+            return self.max_waiting_per_client
+        return max(1, self.max_queue // 2)
+
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
@@ -82,6 +91,10 @@ class EngineConfig:
             raise ValueError(f"max_context must be at least 2, got {self.max_context!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be a positive integer, got {self.cpu_threads!r}")
+        if self.max_waiting_per_client is not None and self.max_waiting_per_client < 1:
+            raise ValueError(
+                f"max_waiting_per_client must be a positive integer, got {self.max_waiting_per_client!r}"
+            )
         if self.shift_keep is not None and self.shift_keep < 1:
             raise ValueError(f"shift_keep must be a positive integer, got {self.shift_keep!r}")
         if self.fault_injection is not None:

@@ -106,6 +106,7 @@ class Engine:
         self._warm = False
         self._crashed: str | None = None
         self._unfinished = 0  # accepted requests whose final event is not out yet
+        self._step_s = 0.05  # recent engine step time (moving average), for expected_wait_s
         log.info(
             "engine: %s on %s/%s, %d slots x %d tokens, KV cache %.1f MiB",
             checkpoint.name, self.device, config.dtype, config.max_seqs, self.window,
@@ -180,28 +181,67 @@ class Engine:
         params: SamplingParams,
         request_id: str | None = None,
         stream_interval: int = 1,
+        client: str | None = None,
     ) -> GenerationStream:
         """Validate and queue; raises Overloaded / NotReady / InvalidRequest / PromptTooLong.
 
         `stream_interval` N > 1: the stream's reader is woken once per N tokens (the first token
         and the last event at once), so a server writes a client's tokens N at a time.
+        `client` identifies the caller for fair admission and its share of the queue
+        (EngineConfig.max_waiting_per_client); None takes part in neither.
         """
         try:
-            return self._submit(prompt, params, request_id or new_id(), stream_interval)
+            return self._submit(prompt, params, request_id or new_id(), stream_interval, client)
         except EngineError as e:
             self._safe(self.observer.on_rejected, e.code)
             raise
 
-    def _submit(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, stream_interval: int
-    ) -> GenerationStream:
+    def check_admission(self, client: str | None = None) -> None:
+        """Raise what `generate` would for the engine's state alone (not running, shutting down,
+        queue full), so a server can refuse a request before paying for its prompt's encoding."""
+        try:
+            self._check_admission(client)
+        except EngineError as e:
+            self._safe(self.observer.on_rejected, e.code)
+            raise
+
+    def _check_admission(self, client: str | None) -> None:
         if self._thread is None or self._stop or not self.health():
             raise NotReady("the engine is not running")
         if self._draining:
             raise NotReady("the engine is shutting down")
+        waiting = len(self._waiting)
+        if waiting >= self.config.max_queue:
+            raise Overloaded(
+                f"{waiting} requests are already waiting (max_queue {self.config.max_queue}); "
+                "retry later",
+                retry_after_s=self.expected_wait_s(),
+            )
+        mine, cap = self._waiting.by_client.get(client, 0), self.config.client_queue_share()
+        if client is not None and mine >= cap:
+            raise Overloaded(
+                f"this client already has {mine} requests waiting (max_waiting_per_client {cap}); "
+                "retry later",
+                retry_after_s=self.expected_wait_s(),
+            )
+
+    def expected_wait_s(self) -> float:
+        """Seconds until a running request is expected to end and free a slot: the fewest tokens
+        any of them has left, at the recent step time (an upper bound: a stop string or the
+        end-of-text token may end one sooner). Read from the event loop: a snapshot, not exact."""
+        left = [r.params.max_new_tokens - len(r.generated) for r in list(self.scheduler.running)]
+        if not left:
+            return 1.0
+        return max(1.0, min(left) * self._step_s)
+
+    def _submit(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, stream_interval: int,
+        client: str | None,
+    ) -> GenerationStream:
+        self._check_admission(client)
         vocab = self.tokenizer.vocab_size
         validate_params(params, vocab)
-        params = effective_params(params)
+        params = effective_params(params, vocab)
         if isinstance(prompt, str):
             ids, text = self.encode(prompt), prompt
         else:
@@ -224,15 +264,11 @@ class Engine:
             loop=loop,
             queue=Inbox(loop, stream_interval, _ends_stream),
             fault=self._fault_kind if self._fault_marker and self._fault_marker in text else None,
+            client=client,
         )
         with self._cond:
-            if len(self._waiting) >= self.config.max_queue:
-                raise Overloaded(
-                    f"{len(self._waiting)} requests are already waiting (max_queue "
-                    f"{self.config.max_queue}); retry later",
-                    retry_after_s=1.0,
-                )
-            self._waiting.items.append(req)
+            self._check_admission(client)  # again, under the lock: others may have queued since
+            self._waiting.append(req)
             self._unfinished += 1
             self._cond.notify()
         return GenerationStream(req, self._cancel)
@@ -316,7 +352,7 @@ class Engine:
             now = time.perf_counter()
             early = self._waiting.reap(now)
             while self.scheduler.has_free_slot and len(self._waiting):
-                self.scheduler.admit(self._waiting.items.popleft(), now)
+                self.scheduler.admit(self._waiting.pop_fair(self.scheduler.running), now)
         t0 = time.perf_counter()
         try:
             result = self.scheduler.step()
@@ -325,6 +361,8 @@ class Engine:
             result = StepResult()
             self.scheduler.fail_all(f"engine step failed: {type(e).__name__}: {e}", result)
         duration = time.perf_counter() - t0
+        if result.batch_size:
+            self._step_s = 0.9 * self._step_s + 0.1 * duration  # for expected_wait_s
         result.events[:0] = early
         # Observer first: metrics already count a request when its client sees it end.
         if result.batch_size:
@@ -341,7 +379,7 @@ class Engine:
         with self._cond:
             now = time.perf_counter()
             while len(self._waiting):
-                req = self._waiting.items.popleft()
+                req = self._waiting.pop_fair([])
                 result.events.append((req, req.final_event(FinishReason.ERROR, now, error=message)))
         self._publish(result.events)
 

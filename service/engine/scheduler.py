@@ -15,15 +15,20 @@ the window must be recomputed from a cropped context:
 
 from __future__ import annotations
 
+import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
+
+import torch
 
 from model.tokenizer import Tokenizer
 from service.engine.config import EngineConfig
 from service.engine.request import Request
 from service.engine.runner import ModelRunner, SampleResult, WorkItem
 from service.engine.types import FinishReason, TokenEvent, TopToken
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -140,9 +145,27 @@ class Scheduler:
         result.batch_size = len(items)
         self.prefilled_tokens += result.prefill_tokens
         if forward.logits is not None:
-            sampled = self.runner.sample([items[i].req for i in forward.rows], forward.logits)
-            self._emit(sampled, result)
+            self._sample_isolated([items[i].req for i in forward.rows], forward.logits, result)
         return result
+
+    def _sample_isolated(self, reqs: list[Request], logits: torch.Tensor, result: StepResult) -> None:
+        """Sample and emit; if sampling raises, bisect so that only the rows whose own parameters
+        make it fail get an error, and their batch-mates their tokens (a draw depends only on the
+        row's own seed and step, so drawing a row again gives the same token)."""
+        try:
+            sampled = self.runner.sample(reqs, logits)
+        except Exception as e:
+            if len(reqs) == 1:
+                log.warning("request %s failed in sampling: %s", reqs[0].request_id, e)
+                error = f"sampling failed: {type(e).__name__}: {e}"
+                self._end(reqs[0], result, reqs[0].final_event(FinishReason.ERROR, time.perf_counter(),
+                                                               error=error))
+                return
+            half = len(reqs) // 2
+            self._sample_isolated(reqs[:half], logits[:half], result)
+            self._sample_isolated(reqs[half:], logits[half:], result)
+            return
+        self._emit(sampled, result)
 
     def _emit(self, sampled: SampleResult, result: StepResult) -> None:
         now = time.perf_counter()
@@ -190,13 +213,51 @@ def _logprob(sampled: SampleResult, j: int) -> float | None:
 
 
 class WaitingQueue:
-    """FIFO of requests not yet admitted; guarded by the engine's lock."""
+    """Requests not yet admitted, oldest first; guarded by the engine's lock.
+
+    Admission is fair between clients: the next request admitted is the oldest one of the client
+    with the fewest requests running, and among those the client served longest ago (round robin),
+    so a caller that queued many requests does not push a newcomer's first token behind all of
+    them. With one client (or none given) it is plain FIFO.
+    """
 
     def __init__(self) -> None:
         self.items: deque[Request] = deque()
+        self.by_client: Counter[str | None] = Counter()
+        self._admissions = 0
+        self._last_admitted: dict[str | None, int] = {}  # of clients with requests waiting
 
     def __len__(self) -> int:
         return len(self.items)
+
+    def append(self, req: Request) -> None:
+        self.items.append(req)
+        self.by_client[req.client] += 1
+
+    def remove(self, req: Request) -> None:
+        self.items.remove(req)
+        self._forget(req)
+
+    def _forget(self, req: Request) -> None:
+        self.by_client[req.client] -= 1
+        if not self.by_client[req.client]:
+            del self.by_client[req.client]
+            self._last_admitted.pop(req.client, None)  # an idle client starts afresh
+
+    def pop_fair(self, running: list[Request]) -> Request:
+        """The next request to admit (see the class docstring)."""
+        if len(self.by_client) == 1:
+            req = self.items.popleft()
+        else:
+            held = Counter(r.client for r in running)
+            last = self._last_admitted
+            # min keeps the first (oldest) of equal keys.
+            req = min(self.items, key=lambda r: (held[r.client], last.get(r.client, -1)))
+            self.items.remove(req)
+        self._admissions += 1
+        self._last_admitted[req.client] = self._admissions
+        self._forget(req)
+        return req
 
     def reap(self, now: float) -> list[tuple[Request, TokenEvent]]:
         """Remove cancelled and expired requests, returning their final events."""
@@ -209,5 +270,5 @@ class WaitingQueue:
                 out.append((req, req.final_event(FinishReason.ERROR, now, error=msg)))
             else:
                 continue
-            self.items.remove(req)
+            self.remove(req)
         return out

@@ -11,6 +11,9 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 256
 MAX_TOP_N_TOKENS = 20
 MAX_SEED = 2**63 - 1
+# Counts and lengths pass through C ints and int64 tensors: anything above this is refused rather
+# than left to overflow in the middle of a batch's step.
+MAX_COUNT = 2**31 - 1
 
 
 def _finite(name: str, value: float) -> None:
@@ -30,9 +33,10 @@ def _in_range(name: str, value: float | None, lo: float, hi: float, lo_open: boo
 def _positive_int(name: str, value: int | None, allow_zero: bool = False) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
-        kind = "a non-negative" if allow_zero else "a positive"
-        raise InvalidRequest(f"{name} must be {kind} integer, got {value!r}", param=name)
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_COUNT:
+        raise InvalidRequest(f"{name} must be an integer in [{low}, {MAX_COUNT}], got {value!r}",
+                             param=name)
 
 
 # Below this a temperature samples the argmax anyway, and logits / temperature overflows float32
@@ -41,9 +45,14 @@ def _positive_int(name: str, value: int | None, allow_zero: bool = False) -> Non
 GREEDY_BELOW = 1e-5
 
 
-def effective_params(p: SamplingParams) -> SamplingParams:
-    """The parameters the engine runs: a temperature above 0 but below GREEDY_BELOW is greedy."""
-    return dataclasses.replace(p, temperature=0.0) if 0 < p.temperature < GREEDY_BELOW else p
+def effective_params(p: SamplingParams, vocab_size: int) -> SamplingParams:
+    """The parameters the engine runs: a temperature above 0 but below GREEDY_BELOW is greedy, and
+    a top_k of the whole vocabulary or more is off (0), so no sampler sees a k it cannot hold."""
+    if 0 < p.temperature < GREEDY_BELOW:
+        p = dataclasses.replace(p, temperature=0.0)
+    if p.top_k is not None and p.top_k >= vocab_size:
+        p = dataclasses.replace(p, top_k=0)
+    return p
 
 
 def validate_params(p: SamplingParams, vocab_size: int) -> None:

@@ -3,17 +3,19 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from model.tokenizer import Tokenizer
 from service.api_docs import sse_response_doc
 from service.deps import EngineDep, SettingsDep, server_version
+from service.encoding import check_prompt_chars, encode_off_loop, prompt_too_long
 from service.engine.types import SamplingParams, TokenEvent, TopToken
-from service.errors import APIError
-from service.generation import Completed, check_limits, collect, encode, sse_response, start_generation
+from service.generation import Completed, check_limits, collect, sse_response, start_generation
 from service.schemas.common import GENERATION_ERRORS, error_responses
 from service.schemas.native import (
     Details,
@@ -178,26 +180,40 @@ async def compat_generate(
 
 
 @router.post(
-    "/tokenize", response_model=list[SimpleToken], responses=error_responses(401, 413, 415, 422, 503)
+    "/tokenize", response_model=list[SimpleToken], responses=error_responses(401, 413, 415, 422, 429, 503)
 )
-async def tokenize(engine: EngineDep, settings: SettingsDep, body: TokenizeRequest) -> list[SimpleToken]:
+async def tokenize(request: Request, engine: EngineDep, settings: SettingsDep,
+                   body: TokenizeRequest) -> Response:
     """Split text into the model's tokens, with each token's character offsets in the input."""
-    ids = await encode(engine, body.inputs)
-    if len(ids) > settings.max_prompt_tokens:
-        raise APIError(422, f"inputs has {len(ids)} tokens, more than this server's limit of "
-                       f"{settings.max_prompt_tokens}", code="prompt_too_long", param="inputs")
-    out: list[SimpleToken] = []
+    text, limit = body.inputs, settings.max_prompt_tokens
+    check_prompt_chars(engine, text, limit, "inputs")
+
+    def spans() -> bytes:
+        ids = engine.encode(text)
+        if len(ids) > limit:
+            raise prompt_too_long(len(ids), limit, "inputs")
+        return json.dumps(token_spans(engine.tokenizer, text, ids), ensure_ascii=False).encode()
+
+    # Encoding, spans and JSON all off the event loop for a long text, bounded like any prompt's
+    # encoding (service/encoding.py); plain dicts, not a pydantic model a token.
+    body_bytes = await encode_off_loop(engine, request.app.state.encode_queue, text, spans, "inputs")
+    return Response(body_bytes, media_type="application/json")
+
+
+def token_spans(tokenizer: Tokenizer, text: str, ids: list[int]) -> list[dict[str, Any]]:
+    """SimpleToken's fields for each token of `text`."""
+    out: list[dict[str, Any]] = []
     cursor = 0
     for token_id in ids:
-        piece = engine.tokenizer.id_to_piece(token_id)
+        piece = tokenizer.id_to_piece(token_id)
         # Pieces appear verbatim in the input for char/word/byte-level BPE tokens; a piece that is
         # part of a multi-byte character does not, and gets an empty span at the cursor.
-        start = body.inputs.find(piece, cursor) if piece else -1
+        start = text.find(piece, cursor) if piece else -1
         if start < 0:
             start = stop = cursor
         else:
             stop = cursor = start + len(piece)
-        out.append(SimpleToken(id=token_id, text=piece, start=start, stop=stop))
+        out.append({"id": token_id, "text": piece, "start": start, "stop": stop})
     return out
 
 

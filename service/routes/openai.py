@@ -8,7 +8,6 @@ server limits, an unknown model (404), a prompt the tokenizer cannot represent, 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -17,10 +16,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from model.chat_template import ChatTemplateError, fit_chat, render_chat, template_stop_sequences
+from service.clients import client_id
 from service.deps import EngineDep, SettingsDep
+from service.encoding import encode
 from service.engine.types import SamplingParams
 from service.errors import APIError
-from service.generation import Generation, check_limits, collect, encode, sse_response, start_generation
+from service.generation import Generation, check_limits, collect, sse_response, start_generation
 from service.routes.openai_format import (
     DONE,
     ChatChunks,
@@ -101,7 +102,7 @@ def _sse(gen: Generation, render: Render, settings: Settings,
 DROPPED_HEADER = "X-Nanoserve-Dropped-Messages"
 
 
-async def _fit_window(engine: Any, settings: Settings, template: Mapping[str, Any],
+async def _fit_window(request: Request, engine: Any, settings: Settings, template: Mapping[str, Any],
                       messages: list[dict[str, str | None]], prompt: str,
                       max_new: int) -> tuple[str | list[int], int]:
     """The prompt to generate from (its ids when it is used as rendered) and how many of the
@@ -109,16 +110,17 @@ async def _fit_window(engine: Any, settings: Settings, template: Mapping[str, An
     quarter of the window, or `max_new` if less. System messages and the last message stay
     (model/chat_template.py fit_chat). Nothing is dropped from a conversation over the server's
     prompt cap, or with reject_long_prompts: those get their 422, as any prompt would."""
-    ids = await encode(engine, prompt, "messages")
+    queue = request.app.state.encode_queue
+    ids = await encode(engine, queue, prompt, settings.max_prompt_tokens, "messages")
     budget = engine.window - min(max_new, engine.window // 4)
-    if len(ids) <= budget or len(ids) > settings.max_prompt_tokens or engine.config.reject_long_prompts:
+    if len(ids) <= budget or engine.config.reject_long_prompts:
         return ids, 0
 
     def fits(text: str) -> bool:
         return len(engine.encode(text)) <= budget
 
-    # Several encodes of a long conversation: off the event loop.
-    return await asyncio.to_thread(fit_chat, template, messages, fits)
+    # Several encodes of a long conversation: off the event loop, counted as one more encoding.
+    return await queue.run(lambda: fit_chat(template, messages, fits), len(prompt))
 
 
 @router.get("/models", response_model=ModelList)
@@ -185,7 +187,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
     top_n = body.top_logprobs or 0
     params = _sampling_params(body, settings, max_tokens=body.token_limit(), logprobs=body.logprobs,
                               top_n=top_n, extra_stop=template_stop_sequences(template))
-    fitted, dropped = await _fit_window(engine, settings, template, messages, prompt, params.max_new_tokens)
+    engine.check_admission(client_id(request))  # before the conversation's encodings
+    fitted, dropped = await _fit_window(request, engine, settings, template, messages, prompt,
+                                        params.max_new_tokens)
     headers = {DROPPED_HEADER: str(dropped)} if dropped else {}
     gen = await start_generation(request, engine, fitted, params, param="messages")
     reply = Reply.new("chatcmpl", model, engine.tokenizer)

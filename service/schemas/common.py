@@ -15,6 +15,9 @@ STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 # A non-negative integer that fits the engine's seed (u64 in TGI; 63 bits keep torch happy).
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
 MAX_STOP_LENGTH = 256  # characters in one stop string
+# The largest count or length a request may give: the engine hands them to C ints and int64
+# tensors, and a larger value is a 422 here instead of an overflow inside a batch's step.
+MAX_COUNT = 2**31 - 1
 
 
 class ErrorDetail(BaseModel):

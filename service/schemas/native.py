@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from service.schemas.common import MAX_STOP_LENGTH, STRICT, Seed
+from service.schemas.common import MAX_COUNT, MAX_STOP_LENGTH, STRICT, Seed
 
 FinishReasonName = Literal["length", "eos_token", "stop_sequence"]
 
@@ -28,7 +28,7 @@ class GenerateParameters(BaseModel):
     model_config = STRICT
 
     max_new_tokens: int | None = Field(
-        default=None, ge=1, description="Tokens to generate (server default if null)."
+        default=None, ge=1, le=MAX_COUNT, description="Tokens to generate (server default if null)."
     )
     do_sample: bool | None = Field(
         default=None,
@@ -36,7 +36,7 @@ class GenerateParameters(BaseModel):
         "when any of temperature/top_k/top_p/typical_p/min_p is set, else greedy (TGI's rule).",
     )
     temperature: float | None = Field(default=None, ge=0.0, le=100.0, description="0 means greedy.")
-    top_k: int | None = Field(default=None, ge=1)
+    top_k: int | None = Field(default=None, ge=1, le=MAX_COUNT)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="Extension: min_p * p(top) floor.")
     typical_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -56,13 +56,17 @@ class GenerateParameters(BaseModel):
     )
     return_full_text: bool = Field(default=False, description="Prepend the prompt to `generated_text`.")
     truncate: int | None = Field(
-        default=None, ge=1, description="Keep only the last `truncate` prompt tokens."
+        default=None, ge=1, le=MAX_COUNT, description="Keep only the last `truncate` prompt tokens."
     )
-    top_n_tokens: int | None = Field(default=None, ge=0, description="Top alternatives per token.")
+    top_n_tokens: int | None = Field(
+        default=None, ge=0, le=MAX_COUNT, description="Top alternatives per token."
+    )
     # TGI features not implemented: accepted only with their neutral value.
     decoder_input_details: bool = Field(default=False, description="Not supported (false only).")
     watermark: bool = Field(default=False, description="Not supported (false only).")
-    best_of: int | None = Field(default=None, description="Not supported (1 or null only).")
+    best_of: int | None = Field(
+        default=None, ge=1, le=MAX_COUNT, description="Not supported (1 or null only)."
+    )
     grammar: dict[str, Any] | None = Field(default=None, description="Not supported (null only).")
     adapter_id: str | None = Field(default=None, description="Not supported (null only).")
 

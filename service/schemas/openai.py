@@ -22,6 +22,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from service.schemas.common import MAX_COUNT
+
 # Strict: no str -> number or bool -> number coercion; NaN/inf refused on every float.
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -51,7 +53,9 @@ class GenerationRequest(BaseModel):
     )
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1, description="Extension (as in vLLM): keep the k most likely.")
+    top_k: int | None = Field(
+        None, ge=1, le=MAX_COUNT, description="Extension (as in vLLM): keep the k most likely."
+    )
     min_p: float | None = Field(None, ge=0.0, le=1.0, description="Extension: drop p < min_p * p(max).")
     repetition_penalty: float | None = Field(
         None, gt=0.0, le=10.0, description="Extension: multiplicative penalty on seen tokens (> 1: fewer)."
@@ -64,7 +68,7 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256, description="Accepted for compatibility and ignored.")
     # Declared only to be refused with a clear message (see the validators).
-    n: int = Field(1, description="Only 1 is supported.")
+    n: int = Field(1, ge=1, le=MAX_COUNT, description="Only 1 is supported.")
     logit_bias: dict[str, float] | None = Field(None, description="Not supported (empty/null only).")
 
     @field_validator("n")
@@ -111,11 +115,13 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] = Field(
         description="A string, a list holding one string, or a list of token ids."
     )
-    max_tokens: int | None = Field(16, ge=1, description="Tokens to generate (OpenAI's default: 16).")
+    max_tokens: int | None = Field(
+        16, ge=1, le=MAX_COUNT, description="Tokens to generate (OpenAI's default: 16)."
+    )
     logprobs: int | None = Field(None, ge=0, le=20, description="Also return this many top alternatives.")
     echo: bool = Field(False, description="Not supported (false only).")
     suffix: str | None = Field(None, description="Not supported (needs a fill-in-the-middle model).")
-    best_of: int | None = Field(None, description="Not supported (1 only).")
+    best_of: int | None = Field(None, ge=1, le=MAX_COUNT, description="Not supported (1 only).")
 
     @field_validator("prompt")
     @classmethod
@@ -125,8 +131,8 @@ class CompletionRequest(GenerationRequest):
                 raise _invalid("prompt must not be an empty list")
             if isinstance(v[0], str) and len(v) != 1:
                 raise _unsupported("prompt", f"a batch of {len(v)} prompts; send one prompt per request")
-            if isinstance(v[0], int) and any(t < 0 for t in v):  # type: ignore[operator]
-                raise _invalid("token ids must be >= 0")
+            if isinstance(v[0], int) and any(not 0 <= t <= MAX_COUNT for t in v):  # type: ignore[operator]
+                raise _invalid(f"token ids must be in [0, {MAX_COUNT}]")
         return v
 
     @field_validator("echo")
@@ -195,8 +201,10 @@ class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI: max_completion_tokens.")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(
+        None, ge=1, le=MAX_COUNT, description="Deprecated by OpenAI: max_completion_tokens."
+    )
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # Declared only to be refused with a clear message.

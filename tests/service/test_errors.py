@@ -11,6 +11,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
+from model.tokenizer import CharTokenizer
 from service.access_log import JsonFormatter
 from service.app import create_app
 from service.deps import get_engine
@@ -139,6 +140,11 @@ class FakeEngine:
 
     def __init__(self, error: Exception) -> None:
         self.error = error
+
+    tokenizer = CharTokenizer.train("Hello")
+
+    def check_admission(self, client: str | None = None) -> None:
+        pass  # the error comes from generate(), after the prompt is encoded
 
     def encode(self, text: str) -> list[int]:
         return [1] * len(text)

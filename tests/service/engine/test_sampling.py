@@ -356,7 +356,7 @@ async def test_a_temperature_too_low_to_sample_decodes_greedily(
     greedy = token_ids(await collect(engine, "Hello there", temperature=0.0, **params))
     for t in (1e-45, 1e-30, GREEDY_BELOW / 2):
         assert token_ids(await collect(engine, "Hello there", temperature=t, seed=1, **params)) == greedy, t
-    assert effective_params(SamplingParams(temperature=GREEDY_BELOW)).temperature == GREEDY_BELOW
+    assert effective_params(SamplingParams(temperature=GREEDY_BELOW), 100).temperature == GREEDY_BELOW
     assert len(set(greedy)) > 3
 
 

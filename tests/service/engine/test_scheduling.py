@@ -208,3 +208,40 @@ def test_prefill_budget_per_step_and_the_larger_idle_budget() -> None:
     assert _planner(8, 32, [100, 3, 20]) == [(0, 8), (1, 3), (2, 8)]
     # The first chunk of a step always fits, even if the idle budget is smaller.
     assert _planner(8, 4, [8, 8]) == [(0, 8)]
+
+
+async def test_admission_is_fair_between_clients(make_engine: EngineFactory) -> None:
+    # One slot. Client a queues three requests, then b one: b's is admitted second, right after
+    # the request that was running, not behind all of a's.
+    engine = make_engine(max_seqs=1, max_queue=8)
+    order: list[str] = []
+
+    async def run(name: str, client: str) -> None:
+        stream = await engine.generate("Hello", SamplingParams(max_new_tokens=6, temperature=0.0,
+                                                               stop_on_eos=False), client=client)
+        async for event in stream:
+            if event.finish_reason is not None:
+                order.append(name)
+
+    tasks = [asyncio.ensure_future(run(f"a{i}", "a")) for i in range(4)]
+    await asyncio.sleep(0)  # a's four are submitted (the first may already run)
+    tasks.append(asyncio.ensure_future(run("b", "b")))
+    await asyncio.gather(*tasks)
+    assert order.index("b") <= 2, order  # FIFO would make it last (index 4)
+    assert [n for n in order if n != "b"] == ["a0", "a1", "a2", "a3"]
+
+
+async def test_one_client_gets_at_most_its_share_of_the_queue(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_seqs=1, max_queue=4, max_waiting_per_client=2)
+    params = SamplingParams(max_new_tokens=10_000, temperature=0.0, stop_on_eos=False)
+    streams = [await engine.generate("Hello", params, client="a")]
+    while engine.stats().running < 1:  # the first is admitted
+        await asyncio.sleep(0.01)
+    streams += [await engine.generate("Hello", params, client="a") for _ in range(2)]  # these wait
+    with pytest.raises(Overloaded, match="this client already has 2 requests waiting") as refused:
+        await engine.generate("Hello", params, client="a")
+    assert refused.value.retry_after_s >= 1.0
+    other = await engine.generate("Hello", params, client="b")  # another client still gets in
+    anonymous = await engine.generate("Hello", params)  # library callers (no client) share no cap
+    for s in [*streams, other, anonymous]:
+        await s.aclose()

@@ -14,7 +14,7 @@ from model.gpt import GPT
 from model.reference import reference_generate
 from model.tokenizer import EOT, BPETokenizer, CharTokenizer
 from service.engine.detokenizer import IncrementalDecoder, StopMatcher
-from service.engine.types import FinishReason
+from service.engine.types import FinishReason, InvalidRequest, SamplingParams
 from tests.service.engine.conftest import EngineFactory, collect, token_ids
 
 MULTIBYTE = "héllo wörld, ça va? 日本語のテキスト 🎉🎉 naïve café — ünïcödé ∑∫ " * 4
@@ -124,3 +124,55 @@ async def test_failing_request_does_not_take_down_batch_mates(
     assert engine.health()
     again = await collect(engine, "fine", max_new_tokens=3, temperature=0.0)
     assert again[-1].finish_reason is FinishReason.LENGTH
+
+
+async def test_a_request_whose_sampling_raises_fails_alone(
+    make_engine: EngineFactory, lively: Checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Whatever a request's parameters make the sampler raise, only that request ends in an error:
+    # the step bisects the batch and its mates get the tokens they get alone.
+    engine = make_engine(max_seqs=4)
+    real_sample = engine.runner.sample
+
+    def sample(reqs, logits):  # type: ignore[no-untyped-def]
+        if any(r.seed == 666 for r in reqs):
+            raise OverflowError("Overflow when unpacking long long")
+        return real_sample(reqs, logits)
+
+    monkeypatch.setattr(engine.runner, "sample", sample)
+    prompts = ["Hello", "abc", "xyz", "The end"]
+    seeds = [1, 666, 2, 3]
+    results = await asyncio.gather(*(
+        collect(engine, p, max_new_tokens=20, temperature=0.0, stop_on_eos=False, seed=s)
+        for p, s in zip(prompts, seeds, strict=True)
+    ))
+    model = lively.build_model("cpu")
+    for prompt, seed, events in zip(prompts, seeds, results, strict=True):
+        if seed == 666:
+            assert events[-1].finish_reason is FinishReason.ERROR
+            assert events[-1].error and "sampling failed: OverflowError" in events[-1].error
+        else:
+            expected = reference_generate(model, lively.tokenizer.encode(prompt), 20, policy="shift")
+            assert token_ids(events) == expected
+    assert engine.health()
+
+
+@pytest.mark.parametrize("field", ["top_k", "top_n_tokens", "truncate", "max_new_tokens"])
+async def test_counts_beyond_a_c_int_are_refused_before_queueing(
+    make_engine: EngineFactory, field: str
+) -> None:
+    engine = make_engine()
+    for value in (2**31, 2**63, 2**64):
+        with pytest.raises(InvalidRequest, match=field):
+            await engine.generate("Hello", SamplingParams(**{field: value}))
+
+
+async def test_a_top_k_of_the_whole_vocabulary_or_more_is_off(
+    make_engine: EngineFactory, lively: Checkpoint
+) -> None:
+    engine = make_engine()
+    vocab = lively.tokenizer.vocab_size
+    plain = await collect(engine, "Hello", max_new_tokens=12, temperature=1.0, seed=7)
+    for k in (vocab, vocab + 1, 2**31 - 1):
+        same = await collect(engine, "Hello", max_new_tokens=12, temperature=1.0, seed=7, top_k=k)
+        assert token_ids(same) == token_ids(plain)
