@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from service.auth import METRICS_ROUTE, PUBLIC_ROUTES
+from service.auth import METRICS_PATH, is_public
 from service.schemas.common import ErrorResponse
 
 # Models that only appear inside event streams; registered by the modules that stream them.
@@ -62,13 +62,12 @@ def _add_errors(schema: dict[str, Any], app: FastAPI) -> None:
     for path, operations in schema.get("paths", {}).items():
         for method, op in operations.items():
             responses = op.setdefault("responses", {})
-            key = (method.upper(), path)
-            public = key in PUBLIC_ROUTES or (key == METRICS_ROUTE and not settings.metrics_require_auth)
+            public = is_public(method.upper(), path, settings.metrics_require_auth)
             extra: dict[int, str] = {500: "Internal error (a clean error body, never a traceback)."}
             if "requestBody" in op:
                 extra.update(_BODY_ERRORS)
                 extra[429] = "Overloaded: retry after `Retry-After` seconds."
-            if path != METRICS_ROUTE[1]:
+            if path != METRICS_PATH:
                 extra[503] = "Not ready, or shutting down."
             if settings.api_keys and not public:
                 extra[401] = "Missing or invalid API key."

@@ -3,17 +3,17 @@
 Layout of a request (outermost first): RequestContextMiddleware (arrival time, X-Request-Id,
 access log) -> CORS (only when origins are configured) -> the metrics middleware ->
 HeaderLimitMiddleware (431) -> DrainGate (503 while shutting down) -> BodyLimitMiddleware (413)
--> FastAPI (the API-key dependency app-wide when keys are set, routes, the shared error handlers
-of service/errors.py).
+-> HeadAsGet (HEAD on GET routes) -> ApiKeyGate (401, when keys are set) -> FastAPI (routes, the
+shared error handlers of service/errors.py).
 The OpenAPI document is completed by service/api_docs.py (shared error statuses, SSE events).
 
 Integration points for other modules:
 
 1. Routers. The OpenAI-compatible API and the chat page add themselves in `_include_routers`:
    `app.include_router(openai_router)` / `app.include_router(chat_router)`. The API-key
-   dependency is app-wide, so nothing extra is needed; `GET /` is public for the chat page
-   (service/auth.py). Routes get the engine with `engine: EngineDep` and settings with
-   `settings: SettingsDep` (service/deps.py, re-exported here), and run generations through
+   gate covers every path but the public ones (service/auth.py), so nothing extra is needed.
+   Routes get the engine with `engine: EngineDep` and settings with `settings: SettingsDep`
+   (service/deps.py, re-exported here), and run generations through
    service/generation.py (`start_generation`, `collect`) and service/sse.py (`event_stream`),
    so limits, metrics, the access log, keep-alives, disconnects and error events behave the same
    on every route. Document a streamed 200 with `api_docs.sse_response_doc(description, Model)`.
@@ -39,13 +39,14 @@ from fastapi.middleware.cors import CORSMiddleware
 from model.checkpoint import Checkpoint, load_checkpoint
 from service.access_log import RequestContextMiddleware
 from service.api_docs import install_openapi
-from service.auth import require_api_key
+from service.auth import ApiKeyGate, require_api_key
 from service.deps import EngineDep, SettingsDep, get_engine, get_settings, server_version
 from service.encoding import EncodeQueue
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.threads import single_threaded_executor
 from service.errors import install_error_handlers
+from service.head import HeadAsGet
 from service.heap import freeze_startup_heap, return_free_memory
 from service.metrics import Metrics
 from service.request_guard import BodyLimitMiddleware, DrainGate, HeaderLimitMiddleware
@@ -168,6 +169,9 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
         lifespan=lifespan,
         # Only with keys: without them the OpenAPI document must not claim a security scheme.
         dependencies=[Depends(require_api_key)] if settings.api_keys else [],
+        # No 307 to the path without its trailing slash: its Location would be built from the
+        # client's Host header (an open redirect). A trailing slash is a 404 like any unknown path.
+        redirect_slashes=False,
     )
     app.state.settings = settings
     app.state.checkpoint = checkpoint
@@ -180,6 +184,10 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     _include_routers(app)
     install_openapi(app)
     # add_middleware wraps: the last one added is the outermost.
+    if settings.api_keys:  # before anything reads the body (service/auth.py)
+        app.add_middleware(ApiKeyGate, keys=app.state.api_keys,
+                           metrics_require_auth=settings.metrics_require_auth)
+    app.add_middleware(HeadAsGet)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
                        timeout_s=settings.body_timeout)
     app.add_middleware(DrainGate, is_draining=app.state.lifecycle.is_draining)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -235,5 +236,21 @@ async def info(engine: EngineDep, settings: SettingsDep) -> Info:
         max_body_bytes=settings.max_body_bytes,
         window=engine.window,
         version=server_version(),
-        engine=report,
+        engine=without_directories(report),
     )
+
+
+# An absolute path in a string (a training command's corpus or output directory, say): /info keeps
+# the file's name and drops the directories, which say where the files lived on someone's machine.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~/-])(?:~|[A-Za-z]:)?(?:[/\\][^\s/\\\"']+)+[/\\]([^\s/\\\"']+)")
+
+
+def without_directories(value: Any) -> Any:
+    """`value` (JSON-like) with each absolute path in its strings cut to the file's name."""
+    if isinstance(value, str):
+        return _ABSOLUTE_PATH.sub(r"\1", value)
+    if isinstance(value, dict):
+        return {k: without_directories(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_directories(v) for v in value]
+    return value

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from service.auth import PUBLIC_ROUTES, key_matches
+from service.auth import is_public, key_matches
 from tests.service.asgi import AppClient, asgi_client
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -36,7 +36,7 @@ def protected_routes(client: AppClient) -> list[tuple[str, str]]:
         (method.upper(), path)
         for path, operations in paths.items()
         for method in operations
-        if (method.upper(), path) not in PUBLIC_ROUTES and path != "/metrics"
+        if not is_public(method.upper(), path, metrics_require_auth=False)
     ]
 
 
@@ -107,3 +107,64 @@ async def test_cors_is_off_unless_configured(tiny_checkpoint) -> None:  # type: 
         pre = await c.options("/generate", headers={"Origin": "https://ok.example",
                                                      "Access-Control-Request-Method": "POST"})
         assert "access-control-allow-origin" not in pre.headers
+
+
+async def test_no_key_is_401_before_the_body_is_read(client: AppClient) -> None:
+    # Without a key the body is never parsed: broken JSON, a wrong content type or a huge field are
+    # all the same 401, so a caller without a key learns nothing about the request's validation.
+    for content, ctype in ((b"{not json", "application/json"), (b"inputs=x", "text/plain"),
+                           (b'{"inputs": 5}', "application/json")):
+        r = await client.post("/generate", content=content, headers={"content-type": ctype})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key", r.text
+    r = await client.post("/generate", content=b"{not json", headers={"content-type": "application/json",
+                                                                      **bearer(KEYS[0])})
+    assert r.status_code == 422
+
+
+async def test_unknown_paths_and_trailing_slashes_neither_redirect_nor_disclose(client: AppClient) -> None:
+    # No 307 whose Location comes from the Host header (an open redirect), before or after the key.
+    evil = {"host": "evil.example"}
+    for headers, status in ((evil, 401), ({**evil, **bearer(KEYS[0])}, 404)):
+        for method, path in (("POST", "/generate/"), ("GET", "/info/"), ("GET", "/v1/models/"),
+                             ("GET", "/no-such-route")):
+            r = await client.request(method, path, headers=headers, json=GEN)
+            assert r.status_code == status, (method, path, r.status_code)
+            assert "location" not in r.headers and "evil.example" not in r.text
+
+
+async def test_public_paths_are_exactly_the_documented_ones(client: AppClient) -> None:
+    for path in ("/health", "/ready", "/metrics", "/", "/openapi.json", "/docs", "/redoc"):
+        assert (await client.get(path)).status_code == 200, path
+        head = await client.head(path)
+        assert head.status_code == 200 and head.content == b"", path
+    for path in ("/info", "/v1/models"):
+        assert (await client.head(path)).status_code == 401, path
+        assert (await client.get(path)).status_code == 401, path
+    # Only reads are public: a POST to a public path still needs a key.
+    assert (await client.post("/health")).status_code == 401
+
+
+async def test_head_answers_as_get_without_a_body(client: AppClient) -> None:
+    get = await client.get("/info", headers=bearer(KEYS[0]))
+    head = await client.head("/info", headers=bearer(KEYS[0]))
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"]
+    assert head.headers["content-length"] == get.headers["content-length"]
+
+
+async def test_info_shows_no_directories(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["provenance"] = {"command": "nanoserve train /home/alice/corpora/poems.txt --out /srv/m",
+                            "commands": ["nanoserve train C:\\Users\\bob\\poems.txt"], "corpus": "poems.txt"}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    async with asgi_client(ckpt) as c:
+        info = (await c.get("/info")).json()
+    prov = info["engine"]["provenance"]
+    assert prov["command"] == "nanoserve train poems.txt --out m"
+    assert prov["commands"] == ["nanoserve train poems.txt"] and prov["corpus"] == "poems.txt"
+    assert "/home" not in json.dumps(info) and "Users" not in json.dumps(info)
