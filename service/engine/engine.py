@@ -292,6 +292,7 @@ class Engine:
                 "generated_tokens_total": float(s.generated_tokens),
                 "prefill_tokens_total": float(s.prefilled_tokens),
                 "context_shifts_total": float(s.context_shifts),
+                "preemptions_total": float(s.preemptions),
             },
         )
 
@@ -352,6 +353,13 @@ class Engine:
             now = time.perf_counter()
             early = self._waiting.reap(now)
             while self.scheduler.has_free_slot and len(self._waiting):
+                self.scheduler.admit(self._waiting.pop_fair(self.scheduler.running), now)
+            # One client holding every slot while another waits with none: one of its requests
+            # steps aside (at most one a step), so nobody's first token waits for whole streams.
+            victim = self.scheduler.preemption_victim(self._waiting)
+            if victim is not None:
+                self.scheduler.preempt(victim)
+                self._waiting.push_front(victim)
                 self.scheduler.admit(self._waiting.pop_fair(self.scheduler.running), now)
         t0 = time.perf_counter()
         try:

@@ -223,6 +223,12 @@ class ModelRunner:
         self.seen[req.slot].zero_()
         self.counts[req.slot].zero_()
         self.seen[req.slot, torch.tensor(req.prompt_ids, device=self.device)] = True
+        if req.generated:  # a preempted request admitted again: what it generated so far counts
+            generated = torch.tensor(req.generated, device=self.device)
+            self.seen[req.slot, generated] = True
+            self.counts[req.slot].index_put_(
+                (generated,), torch.ones_like(generated, dtype=torch.int32), accumulate=True
+            )
 
     def _record(self, reqs: list[Request], tokens: torch.Tensor) -> None:
         rows = [j for j, r in enumerate(reqs) if _uses_penalties(r)]

@@ -57,6 +57,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order (FIFO for prefill)
         self.steps = 0
         self.context_shifts = 0
+        self.preemptions = 0
         self.generated_tokens = 0
         self.prefilled_tokens = 0
 
@@ -77,6 +78,28 @@ class Scheduler:
             req.slot = -1
         if req in self.running:
             self.running.remove(req)
+
+    def preempt(self, req: Request) -> None:
+        """Take `req`'s slot back for another client; its cache is forgotten, and when admitted
+        again it re-prefills its context and goes on drawing the same tokens (a draw depends on
+        the request's seed and step only)."""
+        self.release(req)
+        req.n_cached = 0
+        self.preemptions += 1
+
+    def preemption_victim(self, waiting: WaitingQueue) -> Request | None:
+        """A running request to preempt so that a waiting client holding no slot gets one: the
+        newest of the client holding the most slots (at least two), when every slot is taken.
+        Requests without a client take no part."""
+        if self.free_slots or not any(c is not None for c in waiting.by_client):
+            return None
+        held = Counter(r.client for r in self.running if r.client is not None)
+        if not any(c is not None and not held[c] for c in waiting.by_client) or not held:
+            return None
+        greedy_client, n = held.most_common(1)[0]
+        if n < 2:
+            return None
+        return next(r for r in reversed(self.running) if r.client == greedy_client)
 
     def reap(self, now: float, result: StepResult) -> None:
         """End running requests that were cancelled or ran out of time before this step."""
@@ -243,6 +266,11 @@ class WaitingQueue:
         if not self.by_client[req.client]:
             del self.by_client[req.client]
             self._last_admitted.pop(req.client, None)  # an idle client starts afresh
+
+    def push_front(self, req: Request) -> None:
+        """A preempted request: first in line among its client's."""
+        self.items.appendleft(req)
+        self.by_client[req.client] += 1
 
     def pop_fair(self, running: list[Request]) -> Request:
         """The next request to admit (see the class docstring)."""

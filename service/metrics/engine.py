@@ -98,6 +98,8 @@ class EngineCollector(Collector):
             }
             if "context_shifts_total" in stats.extra:
                 values["nanoserve_engine_context_shifts"] = stats.extra["context_shifts_total"]
+            if "preemptions_total" in stats.extra:
+                values["nanoserve_engine_preemptions"] = stats.extra["preemptions_total"]
         except Exception:  # missing scheduler gauges, never stale or made-up ones; the scrape still works
             log.exception("reading engine stats for /metrics failed")
         for family in families:
@@ -123,6 +125,10 @@ class EngineCollector(Collector):
         families.append(CounterMetricFamily(
             "nanoserve_engine_context_shifts",
             "Context shifts: a sequence reached the window and was re-prefilled from its recent tokens.",
+        ))
+        families.append(CounterMetricFamily(
+            "nanoserve_engine_preemptions",
+            "Sequences that gave their KV slot to a client holding none (re-prefilled when readmitted).",
         ))
         families.append(
             GaugeMetricFamily("nanoserve_model_info", "The served model; always 1.", labels=MODEL_INFO_LABELS)

@@ -62,7 +62,16 @@ def make_bpe_checkpoint(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    checkpoint = make_bpe_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-bpe")
+    yield from serve(make_bpe_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-bpe"))
+
+
+@pytest.fixture(scope="module")
+def endless_server(tiny_checkpoint: Path) -> Iterator[ServerProcess]:
+    """A vocabulary without an end-of-text token: its streams end only at their length."""
+    yield from serve(tiny_checkpoint)
+
+
+def serve(checkpoint: Path) -> Iterator[ServerProcess]:
     env = {
         **ONE_THREAD,
         "NANOSERVE_MAX_SEQS": str(MAX_SEQS),
@@ -83,7 +92,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 def victim_stream(base_url: str, client: str = "victim") -> float:
     """One 48-token stream; returns its duration. Fails unless it ends with a finish reason."""
-    body = {"inputs": "It was the", "parameters": {"max_new_tokens": 48, "do_sample": True, "seed": 1}}
+    body = {"inputs": "It was", "parameters": {"max_new_tokens": 48, "do_sample": True, "seed": 1}}
     t0 = time.perf_counter()
     with httpx.stream("POST", f"{base_url}/generate_stream", json=body, timeout=120,
                       headers={"X-Client": client}) as resp:
@@ -273,11 +282,13 @@ def test_long_prompts_and_tokenize_floods_leave_others_served(server: ServerProc
     assert rss_bytes(server.process.pid) - rss_before < 200 << 20
 
 
-def test_one_client_cannot_fill_the_queue_or_keep_others_behind_it(server: ServerProcess) -> None:
+def test_one_client_cannot_fill_the_queue_or_keep_others_behind_it(endless_server: ServerProcess) -> None:
+    server = endless_server
     # The attacker holds every slot with endless streams and then tries to fill the queue: it gets
     # half of it (max_waiting_per_client's default), then 429s whose Retry-After is the expected
-    # wait. The victim is still queued, and takes the next slot that frees ahead of the attacker's
-    # older requests (FIFO would keep it waiting for one of the attacker's whole streams: minutes).
+    # wait. The victim is still queued, and one of the attacker's streams gives it its slot at
+    # once (preemption), ahead of the attacker's older requests; FIFO with no preemption would
+    # keep it waiting for one of the attacker's whole streams: minutes.
     endless = {"inputs": "It", "parameters": {"max_new_tokens": ENDLESS_TOKENS, "do_sample": True}}
     streams: list[httpx.Response] = []
     done: list[float] = []
@@ -295,10 +306,10 @@ def test_one_client_cannot_fill_the_queue_or_keep_others_behind_it(server: Serve
             assert int(refused.headers["retry-after"]) >= 10
             victim = threading.Thread(target=lambda: done.append(victim_stream(server.base_url)))
             victim.start()
-            time.sleep(0.5)  # the victim is queued behind the attacker's four
-            streams[0].close()  # one running stream ends: a slot frees
             victim.join(timeout=60)
-            assert not victim.is_alive() and done, "the victim was not admitted at the next free slot"
+            assert not victim.is_alive() and done, "the victim waited behind the attacker"
+            metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+            assert "nanoserve_engine_preemptions_total 1.0" in metrics
         finally:
             for resp in streams:
                 resp.close()

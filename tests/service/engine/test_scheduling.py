@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from model.checkpoint import Checkpoint
+from model.reference import reference_generate
 from service.engine.types import (
     FinishReason,
     InvalidRequest,
@@ -211,24 +212,24 @@ def test_prefill_budget_per_step_and_the_larger_idle_budget() -> None:
 
 
 async def test_admission_is_fair_between_clients(make_engine: EngineFactory) -> None:
-    # One slot. Client a queues three requests, then b one: b's is admitted second, right after
-    # the request that was running, not behind all of a's.
+    # One slot. Client a has one request running and three waiting, then b queues one: b's is
+    # admitted second, right after the request that was running, not behind all of a's.
     engine = make_engine(max_seqs=1, max_queue=8)
     order: list[str] = []
 
     async def run(name: str, client: str) -> None:
-        stream = await engine.generate("Hello", SamplingParams(max_new_tokens=6, temperature=0.0,
+        stream = await engine.generate("Hello", SamplingParams(max_new_tokens=200, temperature=0.0,
                                                                stop_on_eos=False), client=client)
         async for event in stream:
             if event.finish_reason is not None:
                 order.append(name)
 
     tasks = [asyncio.ensure_future(run(f"a{i}", "a")) for i in range(4)]
-    await asyncio.sleep(0)  # a's four are submitted (the first may already run)
+    while engine.stats().running < 1 or engine.stats().waiting < 3:
+        await asyncio.sleep(0.001)
     tasks.append(asyncio.ensure_future(run("b", "b")))
     await asyncio.gather(*tasks)
-    assert order.index("b") <= 2, order  # FIFO would make it last (index 4)
-    assert [n for n in order if n != "b"] == ["a0", "a1", "a2", "a3"]
+    assert order == ["a0", "b", "a1", "a2", "a3"]  # FIFO would make b last
 
 
 async def test_one_client_gets_at_most_its_share_of_the_queue(make_engine: EngineFactory) -> None:
@@ -245,3 +246,54 @@ async def test_one_client_gets_at_most_its_share_of_the_queue(make_engine: Engin
     anonymous = await engine.generate("Hello", params)  # library callers (no client) share no cap
     for s in [*streams, other, anonymous]:
         await s.aclose()
+
+
+async def test_a_client_holding_every_slot_gives_one_up_and_keeps_its_tokens(
+    make_engine: EngineFactory, lively: Checkpoint
+) -> None:
+    # Client a holds both slots with long greedy streams; b arrives: one of a's requests is
+    # preempted, b runs and ends first, and a's streams (the preempted one re-prefilled) are
+    # still token for token the recompute-everything reference.
+    engine = make_engine(max_seqs=2, max_queue=8)
+    order: list[str] = []
+    results: dict[str, list[int]] = {}
+    params = {"temperature": 0.0, "stop_on_eos": False}
+
+    async def run(name: str, client: str, prompt: str, n: int) -> None:
+        stream = await engine.generate(prompt, SamplingParams(max_new_tokens=n, **params), client=client)
+        events = [e async for e in stream]
+        assert events[-1].finish_reason is FinishReason.LENGTH
+        results[name] = [e.token_id for e in events if e.token_id is not None]
+        order.append(name)
+
+    a = [asyncio.ensure_future(run(f"a{i}", "a", p, 400)) for i, p in enumerate(["Hello", "The end"])]
+    while engine.stats().running < 2 or engine.scheduler.generated_tokens < 20:
+        await asyncio.sleep(0.005)
+    await run("b", "b", "xyz", 5)
+    assert order == ["b"]  # a's 400-token streams are still going
+    await asyncio.gather(*a)
+    assert engine.stats().extra["preemptions_total"] >= 1
+    model = lively.build_model("cpu")
+    for name, prompt in (("a0", "Hello"), ("a1", "The end"), ("b", "xyz")):
+        n = 5 if name == "b" else 400
+        assert results[name] == reference_generate(model, lively.tokenizer.encode(prompt), n, policy="shift")
+
+
+async def test_a_preempted_sampled_request_with_penalties_draws_what_it_draws_alone(
+    make_engine: EngineFactory,
+) -> None:
+    # The penalties' counts are rebuilt from the tokens generated before the preemption.
+    params = SamplingParams(max_new_tokens=300, temperature=1.0, seed=11, repetition_penalty=1.3,
+                            frequency_penalty=0.5, stop_on_eos=False)
+    alone = make_engine(max_seqs=2)
+    expected = [e.token_id async for e in await alone.generate("Hello", params)]
+    engine = make_engine(max_seqs=2, max_queue=8)
+    streams = [await engine.generate("Hello", params, client="a") for _ in range(2)]
+    while engine.stats().running < 2 or engine.scheduler.generated_tokens < 20:
+        await asyncio.sleep(0.005)
+    other = await engine.generate("xyz", SamplingParams(max_new_tokens=5), client="b")
+    async for _ in other:
+        pass
+    assert engine.stats().extra["preemptions_total"] >= 1
+    for stream in streams:
+        assert [e.token_id async for e in stream] == expected
