@@ -35,7 +35,7 @@ def test_make_serve_answers_the_readme_python_examples(tmp_path: Path) -> None:
     command = [make, "-s", "-o", f"{venv}/.installed", "serve", f"VENV={venv}"]
     with log.open("wb") as out:
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
+                                   stdin=subprocess.DEVNULL)
     try:
         poll_ready(base, 240, alive=lambda: process.poll() is None, logs=log.read_text)
         examples = blocks(README, "python")
@@ -47,9 +47,25 @@ def test_make_serve_answers_the_readme_python_examples(tmp_path: Path) -> None:
                 exec(compile(code.replace("http://127.0.0.1:8000", base), "README.md", "exec"), {})
             assert printed.getvalue().strip(), code  # each prints generated text
     finally:
-        os.killpg(process.pid, signal.SIGTERM)  # make and the server it started
+        stop(process)
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (Linux)."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.exists() else []
+
+
+def stop(make: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server make started (make does not pass signals on), then wait for make."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        for pid in children(make.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
         try:
-            process.wait(timeout=60)
+            make.wait(timeout=60)
+            return
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+            continue
+    make.kill()
+    make.wait(timeout=10)
