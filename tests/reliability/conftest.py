@@ -38,7 +38,7 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # test's timeouts, so only the test ends them (the fault servers allow it).
 MATE_TOKENS = 1_000_000
 
-# Start-up is a second or two on an idle machine; a busy shared box has taken over a minute.
+# Start-up is a second or two on an idle machine and can take over a minute on a busy one.
 READY_TIMEOUT_S = 240.0
 FLEET = {
     "shared": {"NANOSERVE_MAX_SEQS": str(SHARED_MAX_SEQS), "NANOSERVE_MAX_QUEUE": str(SHARED_MAX_QUEUE),
