@@ -1,17 +1,16 @@
 # nanoserve: an HTTP text-generation server for small GPT models, CPU torch by default.
 #
-# On this project's machines (no Docker engine, no image registry) build with podman:
-#   deploy/podman/build.sh            # builds the Debian base from packages first, then this file
-# On a Docker host with registry access:
-#   docker build --build-arg BASE_IMAGE=python:3.11-slim -t nanoserve .
-# GPU hosts: a CUDA build of torch instead of the CPU one (see docs/deploy.md):
-#   docker build --build-arg BASE_IMAGE=python:3.11-slim --build-arg TORCH_INDEX=<CUDA wheel index> -t nanoserve:cuda .
+#   docker build -t nanoserve .       # any Docker host with registry access: python:3.11-slim, CPU torch
+# Without a registry (no Docker engine either), with podman and a locally built Debian base:
+#   deploy/podman/build.sh            # builds the base from packages first, then this file
+# GPU hosts: a CUDA build of torch instead of the CPU one (see docs/operations.md):
+#   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 -t nanoserve:cuda .
 #
 # Configuration is only through NANOSERVE_* environment variables (`nanoserve serve --help` lists them).
 
-# The base must provide python3 (3.11: the version of the local CPU torch wheel) with the venv module.
-# The default is built locally by deploy/podman/build-base.sh (debootstrap, Debian bookworm).
-ARG BASE_IMAGE=localhost/nanoserve-base:bookworm
+# The base must provide python3 with the venv module, on Debian (the app stage uses apt-get).
+# 3.11: the Python the test suite runs on. deploy/podman/build.sh passes its own local base.
+ARG BASE_IMAGE=python:3.11-slim
 
 # ------------------------------------------------ requirements: the runtime dependency list only
 # Read from pyproject.toml in its own stage: the file changes often (tool settings, dev extras), the
@@ -27,12 +26,12 @@ RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.tom
 # cache, checking a `COPY --from` of it means hashing all of it on every build.
 FROM ${BASE_IMAGE} AS deps
 
-# TORCH_SPEC: which torch release. TORCH_INDEX (optional): an extra wheel index to take it from, e.g.
-# PyTorch's CPU or CUDA index; its local-version builds (2.13.0+cpu, +cu128) sort above PyPI's.
-# WHEELS_DIR: a folder of local wheels mounted at build time (podman build -v), used when present; on
-# this project's machines it holds torch 2.13.0+cpu, so no multi-GB CUDA download happens.
+# TORCH_SPEC: which torch release. TORCH_INDEX: an extra wheel index to take it from; by default
+# PyTorch's CPU index, whose local-version builds (2.13.0+cpu) sort above PyPI's, so no multi-GB
+# CUDA build is pulled (an empty value: PyPI alone). WHEELS_DIR: a folder of local wheels mounted
+# at build time (podman build -v), used when present.
 ARG TORCH_SPEC=torch==2.13.0
-ARG TORCH_INDEX=""
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG WHEELS_DIR=/opt/wheels
 # Build-time pip settings: ARGs reach RUN's environment but, unlike ENV, stay out of the image.
 ARG PIP_DISABLE_PIP_VERSION_CHECK=1

@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # The CPU build of torch first: an unpinned torch could resolve to a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install serve test lint typecheck bench clean
+.PHONY: install serve test lint cwarnings bench clean
 
 # decode.c and the parts it includes: `pip install -e .` compiles the native decode step, so a
 # change to them reinstalls.
@@ -24,9 +24,14 @@ serve: install
 test: install
 	$(PY) -m pytest -q
 
-lint: install
+lint: install cwarnings
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+
+# The native step compiles clean with warnings on (pyproject builds it with the same flags, without
+# -Werror so that a newer compiler's new warning never stops an install).
+cwarnings:
+	$(CC) -O3 -std=c11 -Wall -Wextra -Werror -fPIC -c service/engine/native/decode.c -o /dev/null
 
 bench: install
 	$(PY) bench/engine.py

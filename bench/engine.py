@@ -84,14 +84,13 @@ class ShapeResult:
     def run_bound_s(self, conc: int) -> float:
         """The shortest time `conc` sequences could take on this machine's measured limits.
 
-        Until session 9 the bound counted the generated tokens' forwards only, as if prompts were
-        free: a run of 16-token prompts and 32 new tokens feeds 1.5x the tokens it generates (2x at
-        124M, 16 new), and every peer's time includes its prefill, so that bound read 30-50% low
-        at batch 32-64. Prefill here is one forward of every prompt token (the engine runs it
-        so within its prefill budget), with the output layer for each sequence's last token only
-        (the engine, HF's generate and llama.cpp all compute only those logits: counting the
-        output layer for every prompt token put this bound below the engine's measured 124M
-        batch-64 run); its first generated token comes out of that forward."""
+        Prompts count: a run of 16-token prompts and 32 new tokens feeds 1.5x the tokens it
+        generates (2x at 124M, 16 new), and every peer's time includes its prefill; leaving them
+        out reads 30-50% low at batch 32-64. Prefill here is one forward of every prompt token
+        (the engine runs it so within its prefill budget), with the output layer for each
+        sequence's last token only (the engine, HF's generate and llama.cpp all compute only
+        those logits: counting the output layer for every prompt token put this bound below the
+        engine's measured 124M batch-64 run); its first generated token comes out of that forward."""
         lim = self.limits
         rate = lim["matmul_GFLOPs"] * 1e9
         read_s = lim["weight_bytes"] / (lim["bandwidth_GBps"] * 1e9)
@@ -254,8 +253,8 @@ def measure_limits(dtype: torch.dtype, weight_bytes: float = 0.0) -> dict[str, f
     The bandwidth is the better of two reads: a 512 MiB buffer (memory), and a buffer the size of
     the model's weights read over and over (where they fit in the last-level cache, as the 10.7M
     model's 21 MB of bf16 weights do in a 32 MiB L3, and its 43 MB of float32 ones in part, they
-    are read from there). Until session 17 only the first: the engine's batch-1 step of the 10.7M
-    model then read its weights faster than that bound and the table said 105-149% of the limit."""
+    are read from there); with the memory read alone, the engine's batch-1 step of the 10.7M model
+    reads its weights faster than the bound."""
     memory = read_bandwidth(512 * 2**20, 5)
     resident = read_bandwidth(int(weight_bytes), 20) if weight_bytes else 0.0
     rates = {str(d).removeprefix("torch."): _matmul_flops(d) for d in dict.fromkeys([dtype, torch.float32])}
@@ -316,15 +315,15 @@ def run_shape(shape: str, dtype: str, concs: list[int], args: argparse.Namespace
     peers = {p: PeerProcess(p, shape, dtype, args.threads, args.prompt_tokens, max(concs)) for p in PEERS}
     try:
         # Every peer builds its model when it starts (124M: seconds of CPU and memory traffic):
-        # the limits are measured once they all have, not beside them (session 7's first runs
-        # read 9-14 GB/s for 124M against 25-29 GB/s otherwise).
+        # the limits are measured once they all have, not beside them (beside a start-up, a read
+        # measured a third of the bandwidth).
         for peer in peers.values():
             peer.call("ready")
         first = peers["naive"].call("limits")
         for conc in concs:
             print(f"[{shape} {dtype}] concurrency {conc}  (load {load_avg()})", flush=True)
             # Shared, noisy machines: the engine, HF and llama.cpp take turns `repeats` times, each
-            # one's best run kept (llama.cpp ran once until session 7: its ratio rode on one draw).
+            # one's best run kept, so no ratio rides on one draw.
             eng_runs, hf_runs, llama_runs = [], [], []
             for i in range(args.repeats):
                 eng_runs.append(peers["engine"].call("run", conc, new))
@@ -345,7 +344,7 @@ def run_shape(shape: str, dtype: str, concs: list[int], args: argparse.Namespace
                     line = f"    {r.peer:22s} {r.tps:9.1f} tok/s  step {r.step_ms:8.2f} ms {r.note}"
                     print(line, flush=True)
         # Measured again after the runs, each figure's best kept: on a shared host one reading
-        # can land beside another tenant (session 7 saw 107-182 GFLOP/s and 9-30 GB/s in a day).
+        # can land beside another tenant and read low by half or more.
         again = peers["naive"].call("limits")
         res.limits = {k: max(v, again[k]) for k, v in first.items()}
         weight_bytes, flops_per_token, head_flops = model_costs(cfg, DTYPES[dtype])

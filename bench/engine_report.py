@@ -35,8 +35,8 @@ def _rates(limits: dict[str, float]) -> str:
 
 
 def _reads(limits: dict[str, float]) -> str:
-    """Which read set the bandwidth: memory (512 MiB) and a buffer the weights' size (runs before
-    session 17 measured the first only)."""
+    """Which read set the bandwidth: memory (512 MiB) and a buffer the weights' size (older saved
+    runs have the first only)."""
     if "bandwidth_weights_GBps" not in limits:
         return ""
     return (f" (512 MiB {limits['bandwidth_memory_GBps']:.1f}, weights-sized buffer "

@@ -9,13 +9,13 @@ same random weights and the same KV cache contents, checks that both give the sa
 native step's changes are meant to keep every bit), then times them in turns: each round runs
 `--steps` forwards of each, one after the other, and the next round the other way round. Each
 build runs as two instances, made in the order base, head, head, base: with one of each, the
-build made second came out 1-6% faster when both were the same code (`--base HEAD --head HEAD`,
-AMD Zen 4, session 17), whichever ran first in a round; made in that order, the place in the
+build made second came out 1-6% faster when both were the same code (`--base HEAD --head HEAD`),
+whichever ran first in a round; made in that order, the place in the
 making order is the same on average for both. Reports the median over rounds of the ratio base /
 head of each round's summed median forward times (above 1: head is faster), and each round's.
 `--rows`: decode rows (each in its own slot, at --position), or SxL for S prompts of L tokens
 prefilled from position 0 (the benchmark's prefill: 32x16). Needs gcc and git. Not a test:
-nothing here asserts a speed. Session 16 judged every native-step change with this comparison.
+nothing here asserts a speed.
 """
 
 from __future__ import annotations

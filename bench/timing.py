@@ -12,9 +12,8 @@ def round_medians_s(fns: dict[str, Callable[[], object]], steps: int, rounds: in
     that take turns between the variants.
 
     Every other round runs the variants in reverse order: with a fixed order, two builds of the
-    same code alternating in one process came out ~1% apart in favour of the second (session 15,
-    AMD Zen 4; up to 6% in some runs of session 16), which is the size of the changes these
-    comparisons judge."""
+    same code alternating in one process came out ~1% apart in favour of the second (up to 6% in
+    some runs), which is the size of the changes these comparisons judge."""
     medians: dict[str, list[float]] = {name: [] for name in fns}
     order = list(fns.items())
     for round_ in range(rounds):

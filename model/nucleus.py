@@ -7,7 +7,7 @@ reaches the target (`mass_cut`); every token scoring at least as well as it stay
 stay or go together whatever order a sort gives them.
 
 A sort finds that token in O(V log V). At GPT-2's 50,257 tokens that sort was most of a step's
-sampling (32 rows: 50 ms with torch's sort, 33 with numpy's on AMD Zen 4, where numpy's vectorised
+sampling (32 rows: 50 ms with torch's sort, 33 with numpy's on CPUs where numpy's vectorised
 sort is not used), and a flat distribution (a random or early model's) needs the whole
 vocabulary. Wide rows therefore take a radix select instead: each token goes into one of 8,192
 buckets by the top bits of its score's IEEE bits (buckets in score order), the buckets' masses

@@ -130,10 +130,9 @@ def row_max(logits: torch.Tensor) -> tuple[list[float], torch.Tensor]:
     """Each row's largest logit and the index of its first occurrence (N,), as torch's
     `max(dim=-1)` gives them: a row holding a NaN gives NaN, at its first NaN; -inf rows give
     -inf. Wide CPU float32 rows go to numpy's argmax (vectorised, no copy): 32 rows of GPT-2's
-    50,257 logits 110 us against torch's max 668 us, one row 9 against 87 (AMD Zen 4, session 17;
-    the 124M engine's 32-row step 1.025x, six alternating pairs). Narrow ones stay on torch's: at
-    65 logits both take ~6 us, and the 10.7M engine's batch-1 step measured 0.94x with numpy's
-    (twelve pairs). Every step's greedy pick and finiteness check come from here."""
+    50,257 logits 110 us against torch's max 668 us, one row 9 against 87. Narrow ones stay on
+    torch's: at 65 logits both take ~6 us, and the 10.7M engine's batch-1 step was slower with
+    numpy's. Every step's greedy pick and finiteness check come from here."""
     wide = logits.dim() == 2 and logits.shape[-1] >= NUMPY_ARGMAX_FROM
     if wide and logits.device.type == "cpu" and logits.dtype == torch.float32:
         rows = logits.detach().numpy()
@@ -269,11 +268,10 @@ def sample_tokens(
 
     With `batch.candidates` (candidate_width), the filters run on each row's K most likely tokens,
     not the whole vocabulary (32 rows of GPT-2's 50k tokens under top_p 0.95, peaked as a trained
-    model's: 4-7 ms instead of 11-12; AMD Zen 4, session 18). A row whose filtered support may
-    reach past them (a flat distribution under top_p or min_p) goes to the whole vocabulary.
-    (A second, 16 times wider head for the top_p rows that missed the first was dropped in
-    session 18: once top_p no longer sorted the whole vocabulary (model/nucleus.py), it cost more
-    than it saved at every spread measured, up to 13 ms at 32 rows.) The candidates are put back
+    model's: 4-7 ms instead of 11-12). A row whose filtered support may reach past them (a flat
+    distribution under top_p or min_p) goes straight to the whole vocabulary: since the cut needs
+    no sort there (model/nucleus.py), a second, wider head would cost more than it saves. The
+    candidates are put back
     in vocabulary order, so inverse-CDF sampling picks the token the whole-vocabulary path would
     (masked tokens add nothing to the CDF; up to float rounding at a boundary): a row's result
     does not depend on the path its batch took.

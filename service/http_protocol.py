@@ -4,7 +4,7 @@ response to put body chunks on its socket without a trip through ASGI.
 A streamed token through ASGI costs the event loop a task wake-up, the async generators between
 the engine's inbox and the encoder, the middlewares' `send` wrappers and uvicorn's `send`: with a
 client that costs little (wrk), each microsecond of that a token cost the 10.7M model ~1.4% of its
-HTTP throughput (docs/engine.md, session 20). So every request's scope carries a `BodyWriter`
+HTTP throughput (docs/performance.md). So every request's scope carries a `BodyWriter`
 (`scope["extensions"][BODY_WRITER]`) that writes a chunk of a started, chunked body to the
 transport at once, from a plain callback: `sse.py` uses it for the events of a stream in the
 middle (never its start or end, which go through ASGI as before, so the middlewares see them).

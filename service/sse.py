@@ -103,9 +103,9 @@ class EventStreamResponse(StreamingResponse):
 
     Keep-alives come from one loop timer per response, re-armed once per interval, not per event:
     when nothing was sent for `keepalive_s`, a short task sends the comment. Sends are serialized
-    by a lock, so a keep-alive never interleaves with an event. (The first version waited on each
-    event under a deadline, through a pump task and a second queue: per token that cost a task
-    switch, a queue hand-off and a timer, about a fifth of the event loop's streaming work.)
+    by a lock, so a keep-alive never interleaves with an event. (Waiting on each event under a
+    deadline, through a pump task and a second queue, would cost per token a task switch, a queue
+    hand-off and a timer, about a fifth of the event loop's streaming work.)
 
     A client that disconnects cancels the body (see `__call__`); cleanup that awaits must be
     shielded from that cancellation or it would never run and the engine slot would stay taken.
@@ -113,7 +113,7 @@ class EventStreamResponse(StreamingResponse):
     With `direct` and the server's `BodyWriter` in the scope, events in the middle of the stream are
     rendered and written from the callback that delivers them (`_take`): per token that skips the
     task's wake-up, the generators between the inbox and here, and every `send` wrapper: about a
-    quarter of the event loop's CPU a streamed token (docs/engine.md, session 20). The body's own
+    quarter of the event loop's CPU a streamed token (docs/performance.md). The body's own
     path still sends the response's start, each event it is woken for, the last event and the end.
     """
 
@@ -180,7 +180,7 @@ class EventStreamResponse(StreamingResponse):
         # pass through. Starlette starts it with a disconnect listener in an anyio task group;
         # two plain tasks do the same (the listener cancels the body when the client goes away)
         # for 44-136 us less of the event loop's CPU a request (32 clients; 1- to 64-token
-        # requests, two code trees alternating: docs/engine.md, session 14).
+        # requests, docs/performance.md).
         body = asyncio.ensure_future(self.stream_response(send))
 
         async def cancel_on_disconnect() -> None:

@@ -65,5 +65,5 @@ def make_tiny_checkpoint(  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):  # type: ignore[no-untyped-def]
-    """Path of a tiny random char-level checkpoint (block_size 64), shared by the session."""
+    """Path of a tiny random char-level checkpoint (block_size 64), shared by every test."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")

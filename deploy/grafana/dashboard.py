@@ -202,7 +202,7 @@ def dashboard() -> dict[str, Any]:
     return {
         "uid": "nanoserve",
         "title": "nanoserve",
-        "description": "Throughput, latency, scheduler and errors of nanoserve replicas (docs/metrics.md).",
+        "description": "Throughput, latency, scheduler and errors of nanoserve replicas (docs/operations.md)",
         "tags": ["nanoserve", "llm"],
         "timezone": "browser",
         "editable": True,

@@ -33,7 +33,8 @@ if [[ -f "$ca_bundle" ]]; then
     args+=(-v "$ca_bundle:/etc/ssl/certs/ca-certificates.crt:ro")
 fi
 if [[ -n "$wheels" && -d "$wheels" ]]; then
-    args+=(-v "$wheels:/opt/wheels:ro" --build-arg WHEELS_DIR=/opt/wheels)
+    # torch from the folder only: no extra index to wait for on a machine without one.
+    args+=(-v "$wheels:/opt/wheels:ro" --build-arg WHEELS_DIR=/opt/wheels --build-arg "TORCH_INDEX=${TORCH_INDEX:-}")
 else
     echo "note: no local wheel folder found; torch comes from the index (TORCH_INDEX / PyPI)" >&2
 fi

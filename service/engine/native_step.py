@@ -1,8 +1,8 @@
 """Forwards as one native call (native/decode.c), on CPU, float32 or bfloat16 weights.
 
 At batch 1 a decode step streams every weight once and is bound by memory bandwidth; through
-torch's kernels it reached 5-7 GB/s of the 25-30 GB/s this machine streams with two threads
-(measured, docs/engine.md), because each of the step's ~25 library calls is its own parallel
+torch's kernels it reached 5-7 GB/s of the 25-30 GB/s a plain two-thread read gets (on an AVX2
+CPU; docs/performance.md), because each of the step's ~25 library calls is its own parallel
 region with its own way of splitting the weight, and the Python between them is serial. The native
 step runs the whole forward in one OpenMP region on the engine thread's own team (libgomp's entry
 points, taken from the libgomp torch loaded), so it starts no second thread pool. Its rows are
@@ -13,7 +13,7 @@ up to six rows (it beat the oneDNN path at every batch and prompt size measured,
 It computes what `DecodeStep` and `GPT.forward` compute (the parity tests compare them) with a
 different summation order, so logits agree to float32 rounding, not bit for bit. A bfloat16 model
 keeps its weights and KV cache in bfloat16 (half the bytes to stream) but the step computes in
-float32, widening each value as it is loaded: CPUs without bf16 arithmetic (this AVX2 EPYC) run
+float32, widening each value as it is loaded: CPUs without bf16 arithmetic (AVX2-only ones) run
 torch's bf16 kernels emulated, ~100x slower than float32 for matmuls. So its logits are those of
 the float32 model with the same (bf16) weights and bf16-rounded keys and values, closer to that
 than torch's bf16 forward, which rounds every intermediate to bf16. Each row is

@@ -48,9 +48,9 @@ ALL_THREADS_FROM = 128  # forward sizes (tokens) that always use every thread
 # Measuring starts on every thread, and a size whose first two timed forwards both take this long keeps them
 # without a turn on one: with two threads a forward costs half its one-thread time plus what running
 # in parallel costs (its barriers, waking the worker), so one thread could only win if that cost
-# were over a millisecond a forward. The turns on one thread were not free: the benchmark's 16-token
-# prompts at 124M bf16 (AMD Zen 4) were prefilled on one thread in 22 ms instead of 12, 8% of a
-# batch-1 run, and a server paid it for each new size and again at every re-measurement.
+# were over a millisecond a forward. Turns on one thread are not free: the benchmark's 16-token
+# prompts at 124M bf16 take 22 ms on one thread instead of 12, 8% of a batch-1 run, and a server
+# would pay that for each new size and again at every re-measurement.
 SURE_ALL_THREADS_S = 0.002
 
 

@@ -9,7 +9,7 @@ Wiring (service/app.py):
     async for event in metrics.track_stream(stream, route, request.state.arrival): ...
     body, content_type = metrics.render()     # the GET /metrics response
 
-The metric list with one line each is in docs/metrics.md.
+The metric list with one line each is in docs/operations.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Requests are strict, so a mistake is an error rather than a silent surprise: unknown fields are
 rejected (422 naming the field), a boolean is not a number, NaN and infinities are refused. OpenAI
 features this server does not implement (`n > 1`, tools, JSON mode, logit bias, ...) are declared
-here only so that their rejection can say exactly that, instead of "extra field". docs/openai.md
+here only so that their rejection can say exactly that, instead of "extra field". docs/api.md
 lists what is supported.
 """
 

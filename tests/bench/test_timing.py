@@ -9,7 +9,7 @@ from bench.timing import best_median_s
 
 
 def test_variants_take_turns_in_alternating_order() -> None:
-    # A fixed order favoured whichever variant ran second (~1%, session 15), so the order must
+    # A fixed order favoured whichever variant ran second (~1%), so the order must
     # turn round every other round.
     calls: list[str] = []
     fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}

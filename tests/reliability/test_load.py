@@ -24,7 +24,7 @@ MAX_NEW_TOKENS = 32
 ROUTE = "/generate_stream"
 # Growth allowed between the end of run 1 and the end of run 2 (same load, warm server). A leak of
 # one KV cache or one request's state per stream would show as MBs per run; allocator noise is
-# well below this. The figure measured on the dev box is in docs/reliability.md.
+# well below this (a few MiB between runs).
 RSS_GROWTH_BOUND = 24 << 20
 
 COUNTERS = {

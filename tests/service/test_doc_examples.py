@@ -1,5 +1,5 @@
-"""The examples in docs/http.md and docs/openai.md, run: each request is read from the doc itself
-and sent, and what the doc shows (fields, values, error texts) must be what comes back."""
+"""The examples in docs/api.md, run: each request is read from the doc itself and sent, and what
+the doc shows (fields, values, error texts) must be what comes back."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from tests.service.server import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 CKPT = ROOT / "checkpoints" / "shakespeare-char"
-HTTP = (ROOT / "docs" / "http.md").read_text(encoding="utf-8")
-OPENAI = (ROOT / "docs" / "openai.md").read_text(encoding="utf-8")
+API = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+# The native (TGI) part, then the OpenAI part.
+HTTP, OPENAI = API.split("\n## OpenAI-compatible API\n", 1)
 
 
 def keys(shown: str, after: str) -> list[str]:
@@ -86,5 +87,5 @@ def test_the_openai_sdk_example_runs(openai_server: ServerProcess) -> None:
     assert openai_server.base_url in code and OPENAI_API_KEY in code  # the doc still reads as expected
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(code, "docs/openai.md", "exec"), {})  # our own doc's example
+        exec(compile(code, "docs/api.md", "exec"), {})  # our own doc's example
     assert printed.getvalue().strip()  # a reply, then a streamed completion

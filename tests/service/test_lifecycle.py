@@ -189,10 +189,10 @@ async def test_not_ready_until_the_lifespan_has_loaded_the_model(tiny_checkpoint
 def test_every_setting_is_documented() -> None:
     from service.settings import Settings
 
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "http.md").read_text(encoding="utf-8")
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text(encoding="utf-8")
     for name, field in Settings.model_fields.items():
         row = f"| `--{name.replace('_', '-')}` / `NANOSERVE_{name.upper()}` |"
-        assert row in doc, f"docs/http.md has no row for {name}"
+        assert row in doc, f"docs/configuration.md has no row for {name}"
         assert field.description, f"setting {name} has no description (it is the --help text)"
 
 

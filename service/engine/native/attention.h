@@ -141,7 +141,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void hsum256x8(
 
 /* Attention of one query (head_dim a multiple of 8) over n cached positions, into out; the cache
  * holds float32 or (bf) bfloat16. Scores eight positions at a time (eight chains: four left the
- * FMA units waiting on latency; session 12 measured attention at 13% of a 64-row 124M step). */
+ * FMA units waiting on latency, with attention some 13% of a 64-row 124M step). */
 __attribute__((target("avx2,fma"), always_inline)) static inline void attend_kv(
     const float *q, const void *k, const void *v, int64_t n, int hs, float *scores, float *out, int bf, Ahead *ah) {
     const float scale = 1.0f / sqrtf((float)hs);
@@ -349,9 +349,9 @@ __attribute__((target("avx2"))) static void bf16_exact_avx2(const float *src, in
 }
 #endif
 
-/* src[0, n) -> dst in bfloat16 as float_to_bf16 rounds: the cache's stores, which had been a
- * scalar loop (3% of the samples of a 1,024-token prefill at 10.7M; 10.7M bf16 decode steps of
- * 32-64 rows 1.02-1.03x faster this way, two builds alternating). */
+/* src[0, n) -> dst in bfloat16 as float_to_bf16 rounds: the cache's stores, eight at a time (a
+ * scalar loop was 3% of the samples of a 1,024-token prefill at 10.7M; 10.7M bf16 decode steps
+ * of 32-64 rows are 1.02-1.03x faster this way). */
 static void bf16_exact(const Model *m, const float *src, int n, uint16_t *dst) {
     int i = 0;
 #ifdef NS_X86
@@ -381,16 +381,12 @@ static void store_kv(const Model *m, const Layer *L, const Job *job, int r, int 
  * computed: each item's block lies alone in its window-long stretch of the cache, so the hardware
  * prefetcher would start over at each one. Its first QK_AHEAD positions (attend_kv asks for the
  * later ones itself), and the row's own position past those, where a decode step's item stores its
- * key and value. (124M bf16, 64 rows at position 32: attention 4.5 -> 3.3 ms of a 26 ms step.)
- * Into L2, not L1: up to 2 x QK_AHEAD lines asked for at once filled L1's miss buffers, so the
- * current item's own loads waited behind them, and they pushed its keys and values out of L1 (AMD
- * Zen 4, two builds alternating, either first, the same bits: 10.7M bf16 32-64 rows at position 40
- * 1.05-1.11x, float32 1.03-1.04x, 124M bf16 32 rows 1.01-1.04x). Since session 16 a decode row's
- * item asks for them a few lines at a time as it goes (ahead_some in attend_kv's loops; a prompt
- * chunk's block of rows still asks at once, see attend_rows): asked for
- * all at once, the prefetches still waited for miss buffers (perf: 5% of a 10.7M bf16 step on
- * them), the thread stalled behind them (10.7M bf16 32 / 64 rows 1.02-1.10x / 1.04-1.11x, 124M
- * 1.03x; position 200 0.99-1.02x). */
+ * key and value. Into L2, not L1: up to 2 x QK_AHEAD lines asked for at once fill L1's miss
+ * buffers, so the current item's own loads would wait behind them, and they would push its keys
+ * and values out of L1. A decode row's item asks for them a few lines at a time as it goes
+ * (ahead_some in attend_kv's loops; a prompt chunk's block of rows still asks at once, see
+ * attend_rows): asked for all at once, the prefetches wait for miss buffers and the thread stalls
+ * behind them (5-10% of a 10.7M bf16 decode step). */
 static Ahead ahead_of(const Model *m, const Layer *L, const Job *job, int r, int hd) {
     const size_t row_bytes = (size_t)m->head_dim * elem_size(m->kvt), at = kv_block(m, job, r, hd);
     const size_t n = (size_t)job->pos[r] + 1, bytes = (n < QK_AHEAD ? n : QK_AHEAD) * row_bytes;

@@ -2,7 +2,7 @@
  * chunks (service/engine/native_step.py). Weights and KV cache in float32 or bfloat16; sums in
  * float32 (a bfloat16 model's linear inputs rounded to bf16 on the tile levels, see ns_set_isa).
  *
- * Why this exists (measured on the 2-core AVX2 EPYC, see docs/engine.md): at batch 1 a decode step
+ * Why this exists (docs/architecture.md, docs/performance.md): at batch 1 a decode step
  * streams every weight once, so it is bound by memory bandwidth, yet through torch it ran at 5-7
  * GB/s against 25-30 GB/s a plain two-thread read reaches: ~25 library calls per step, each its own
  * parallel region, each handing its weight to the threads in its own way, plus the ops between
@@ -107,7 +107,7 @@ typedef struct {
 
  * Up to the AVX-512 level bfloat16 is stored, never computed: weights and cached keys/values are
  * widened to float32 as they are loaded (a 16-bit shift) and every sum runs in float32. On CPUs
- * without bf16 arithmetic (the AVX2 EPYC: torch's bf16 matmuls ran ~100x slower than float32)
+ * without bf16 arithmetic (AVX2-only: torch's bf16 matmuls run ~100x slower than float32 there)
  * that is how bf16 can be fast: a batch-1 step reads half the bytes, and no arithmetic is
  * emulated. The tile levels (AVX512-BF16, AMX) multiply bf16 directly: a linear layer's inputs
  * are rounded to bf16, products are exact in float32 and sums stay float32 (see gemv_dp). */
@@ -213,7 +213,7 @@ static int chunk_of(int items, int nt) {
  * which every thread reads after the barrier that already follows; the rows each thread
  * normalises for itself (few rows) it rounds for itself (gemv_claimed). Each value is rounded
  * once, not once per thread: rounding every input on every thread, reading the other thread's
- * float32 results, was ~3% of a 10.7M bf16 step of 32 rows (AMD Zen 4). Row r of a shared copy
+ * float32 results, was ~3% of a 10.7M bf16 step of 32 rows. Row r of a shared copy
  * of width w: ROUND32(w) elements from r * ROUND32(w), the rest zero (never written). */
 static void round_shared(const Model *m, const float *src, int n, uint16_t *shared, int width, int r, int col) {
 #ifdef NS_X86

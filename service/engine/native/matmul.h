@@ -120,9 +120,8 @@ static const panel_fn PANELS[2][MAX_R] = {PANEL_TABLE(f32), PANEL_TABLE(bf16)}; 
  * row, so a kernel takes two panels (32 outputs) and up to MAX_R512 rows: 2 x 12 accumulators,
  * two weight vectors and a broadcast in the 32 registers. Per output the sum is the same FMA
  * chain over k in the same order as the AVX2 kernels': the same bits (tested). On a CPU with
- * AVX-512 the AVX2 kernels use half of each FMA unit; this is what torch's own matmuls use there
- * (measured on a 2-core Xeon with AVX-512: torch / native at 64 decode rows of the 124M model
- * 0.75 with the AVX2 kernels, i.e. torch faster). bfloat16 panels are widened in the order they
+ * AVX-512 the AVX2 kernels use half of each FMA unit, and torch's own matmuls, which use all of
+ * it, beat them (torch / native 0.75 at 64 decode rows of the 124M model). bfloat16 panels are widened in the order they
  * are stored (features j and j + 8 side by side) and put back in feature order once, at the
  * store. */
 #define MAX_R512 12
@@ -160,10 +159,10 @@ static const panel_fn PANELS[2][MAX_R] = {PANEL_TABLE(f32), PANEL_TABLE(bf16)}; 
 /* feature j of a bfloat16 panel is lane panel_lane(j): j % 8 * 2 + j / 8 */
 #define ORDER512 const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
 /* for (i = 0; i < n; i++) STEP, asking for line i of pf into L2 with each of the first `lines`
- * steps: two loops, so that the steps past them carry no test (a first version with one loop and a
- * test per step cost the 512-token prefill 1-1.5%); and with no lines (a single row block) the
- * plain loop alone, which the compiler lays out as it did the kernels without prefetches (run
- * through the two loops instead, float32 at 4 / 8 rows came out 0.95x / 0.97x). */
+ * steps: two loops, so that the steps past them carry no test (a test per step costs the 512-token
+ * prefill 1-1.5%); and with no lines (a single row block) the plain loop alone, which the
+ * compiler lays out as the kernels without prefetches (through the two loops, float32 at 4 / 8
+ * rows runs 0.95x / 0.97x). */
 #define AHEAD_LOOP(i, n, STEP)                                                                             \
     if (lines <= 0) {                                                                                      \
         for (int i = 0; i < (n); i++) {                                                                    \
@@ -240,13 +239,10 @@ __attribute__((target("avx512f"))) static void store512(const Linear *l, float *
  * w: the panels, panel_bytes each; x: the rows, x_bytes apart; k: the kernels' inputs per row.
  * Where there are two or more row blocks, each block's kernel asks for its share of the next panel
  * pair, one cache line per input (pair) into L2, interleaved with its products (at the
- * AVX512-BF16 rate the hardware prefetcher no longer hid the weight stream: 124M bf16 16 rows
- * 1.13x, 10.7M 64 rows 1.06x; batch 1 unchanged, one block).
- * Until session 16 each share was asked for at once before its block, into L1, by the tile level
- * only: a burst of up to a few hundred prefetches that waited for miss buffers while the kernel
- * could not start (perf on AMD Zen 4: a fifth of the kernel's samples on its weight loads); the
- * float32 kernels had lost 5-15% with that burst, and gain with the spread requests (10.7M float32
- * 16 / 32 rows 1.08-1.10x / 1.02-1.05x, 124M 1.05-1.06x / 1.03x). */
+ * AVX512-BF16 rate the hardware prefetcher no longer hides the weight stream: 124M bf16 16 rows
+ * 1.13x, 10.7M 64 rows 1.06x; batch 1 unchanged, one block). Spread out rather than asked for at
+ * once before the block: a burst of up to a few hundred prefetches waits for miss buffers while
+ * the kernel cannot start (float32 kernels lose 5-15% with it). */
 static void gemv_pairs(const Linear *l, const pair_fn kernels[2][MAX_R512], const char *w, size_t panel_bytes, int k,
                        const char *x, size_t x_bytes, int rows, float *y, int ystride, int o0, int o1, int accumulate) {
     float sums[2 * MAX_R512 * PANEL];

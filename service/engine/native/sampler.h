@@ -6,7 +6,7 @@
  *
  * Why here and not in torch: that path is some twenty torch operations over (rows, vocab), each
  * releasing the GIL and most allocating (rows, vocab) temporaries; at GPT-2's 50,257 tokens and 32
- * rows it took 13-18 ms of a 124M step of ~40 (AMD Zen 4, session 18), and at the shipped model's
+ * rows it took 13-18 ms of a 124M step of ~40, and at the shipped model's
  * 65 tokens the step's sampling was mostly GIL hand-offs to the event loop. Here a row is a few
  * passes over its logits in the thread's cache (fewer past top_k, which keeps only its tokens),
  * rows shared among the step's threads, and the GIL is released once for the whole call.
