@@ -80,8 +80,10 @@ class Settings(BaseSettings):
         "process may use); the rest of the server stays on one.",
     )
     compile: bool = Field(default=False, description="torch.compile the decode step at warm-up.")
-    fault_injection: str | None = Field(
-        default=None, description="Test builds only: a fault the engine injects (see the engine's docs)."
+    backend: Literal["auto", "native", "torch"] = Field(
+        default="auto",
+        description="What computes: auto (native where it can run: CPU, float32/bfloat16, library "
+        "built; else torch), native (an error where it cannot run), torch (any device).",
     )
 
     # Request limits.

@@ -25,8 +25,9 @@ import torch
 from model.tokenizer import Tokenizer
 from service.engine.config import EngineConfig
 from service.engine.request import Request
-from service.engine.runner import ModelRunner, SampleResult, WorkItem
+from service.engine.runner import ModelRunner
 from service.engine.types import FinishReason, TokenEvent, TopToken
+from service.engine.work import SampleResult, WorkItem
 
 log = logging.getLogger(__name__)
 

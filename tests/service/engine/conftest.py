@@ -42,12 +42,34 @@ def lively(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 EngineFactory = Callable[..., Engine]
 
 
+# Every engine test runs once per backend (`make_engine` builds engines on `backend`), so the torch
+# backend, the one a GPU runs, is tested as fully as the native one. A test of one backend's own
+# code says so with @pytest.mark.backends("native").
+BACKENDS = ("native", "torch")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("backends")
+        metafunc.parametrize("backend", marker.args if marker else BACKENDS, indirect=True)
+
+
 @pytest.fixture
-async def make_engine(lively: Checkpoint) -> AsyncIterator[EngineFactory]:
-    """Build started engines on the lively checkpoint (or another one); shut down afterwards."""
+def backend(request: pytest.FixtureRequest) -> str:
+    """The backend this test's engines use; the native one needs its library (see native_library)."""
+    if request.param == "native":
+        request.getfixturevalue("native_library")
+    return str(request.param)
+
+
+@pytest.fixture
+async def make_engine(lively: Checkpoint, backend: str) -> AsyncIterator[EngineFactory]:
+    """Build started engines on the lively checkpoint (or another one), on this test's backend
+    unless it names one; shut down afterwards."""
     engines: list[Engine] = []
 
     def factory(checkpoint: Checkpoint | None = None, observer=None, **overrides) -> Engine:  # type: ignore[no-untyped-def]
+        overrides.setdefault("backend", backend)
         engine = Engine(checkpoint or lively, EngineConfig(**overrides), observer)
         engine.start()
         engines.append(engine)

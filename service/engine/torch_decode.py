@@ -33,7 +33,7 @@ class _Layer:
     cache: SpanLayerCache
 
 
-class DecodeStep:
+class TorchDecodeStep:
     def __init__(self, model: GPT, cache: SpanKVCache) -> None:
         if model.training:
             raise ValueError("the decode step is for inference: put the model in eval() mode")
