@@ -220,16 +220,29 @@ class BPETokenizer(Tokenizer):
         return dict(json.loads(self._tok.to_str()))
 
 
-def tokenizer_from_json(data: dict[str, Any]) -> Tokenizer:
+def tokenizer_from_json(data: Any) -> Tokenizer:
+    """The tokenizer a `tokenizer.json` document describes; ValueError names what is wrong."""
+    if not isinstance(data, dict):
+        raise ValueError(f"must hold a JSON object, got {type(data).__name__}")
     kind = data.get("kind")
-    if kind == "char":
-        return CharTokenizer(data["vocab"])
-    if kind == "word":
-        return WordTokenizer(data["vocab"])
+    if kind in ("char", "word"):
+        vocab = data.get("vocab")
+        # Decoding joins these strings: anything else would fail at the first response, not here.
+        if not isinstance(vocab, list) or not vocab or not all(isinstance(w, str) and w for w in vocab):
+            raise ValueError(f"a {kind} tokenizer's vocab must be a non-empty list of non-empty strings")
+        if len(set(vocab)) != len(vocab):
+            raise ValueError(f"the {kind} vocabulary has duplicate entries")
+        return CharTokenizer(vocab) if kind == "char" else WordTokenizer(vocab)
     if kind is None and "model" in data:
         from tokenizers import Tokenizer as HFTokenizer
 
-        return BPETokenizer(HFTokenizer.from_str(json.dumps(data)))
+        tok = BPETokenizer(HFTokenizer.from_str(json.dumps(data)))
+        # The engine masks ids from vocab_size up as padding: an id above them would be a token
+        # that encode() produces and the model's embedding may not have.
+        top = max(tok._tok.get_vocab().values(), default=-1)
+        if top >= tok.vocab_size:
+            raise ValueError(f"token ids must run from 0 to {tok.vocab_size - 1}, found id {top}")
+        return tok
     raise ValueError(f"unknown tokenizer kind {kind!r}")
 
 
