@@ -210,3 +210,25 @@ def test_a_checkpoint_that_would_fail_after_loading_is_refused_by_the_process(
     assert done.stderr.startswith("nanoserve serve: error: cannot load checkpoint: ")
     _assert_one_clear_line(name, done.stderr)
 
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible: --device cuda is valid here")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_a_device_this_torch_cannot_use_is_one_line_before_loading(
+    device: str, tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    # A checkpoint that could not load either: the device is refused first, before any loading.
+    done = _serve_once(_broken(tiny_checkpoint, tmp_path, "layers-100000"), "--device", device)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert lines == [lines[0]] and lines[0].startswith(f"nanoserve serve: error: device '{device}': "), lines
+    assert "CUDA" in lines[0] and "n_layer" not in lines[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_index_beyond_the_devices_is_one_line_before_loading(tiny_checkpoint: Path) -> None:
+    index = torch.cuda.device_count()
+    done = _serve_once(tiny_checkpoint, "--device", f"cuda:{index}")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert lines == [f"nanoserve serve: error: device 'cuda:{index}': {index} CUDA device(s) visible, "
+                     f"cuda:0 to cuda:{index - 1}"]
