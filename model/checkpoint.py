@@ -5,8 +5,11 @@
     tokenizer.json     see model/tokenizer.py
     README.md          the model card
 
-Loading checks every tensor's name, shape and dtype against the config before building anything,
-and a failure names the file and the exact mismatch.
+Loading validates the whole directory before anything is allocated: the manifest's fields and
+their types, the model config (strict types, bounds), the chat template, the tokenizer against the
+config and the manifest, and every tensor's name, shape and dtype as the weights file's header
+declares them; only then are the weights read, and checked for NaN or infinite values. A failure is
+a CheckpointError that names the file and the exact problem.
 """
 
 from __future__ import annotations
