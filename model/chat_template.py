@@ -6,6 +6,10 @@ A template is plain data stored in the checkpoint's config.json (never code, nev
      "message": "{role}:\\n{content}\\n\\n", "generation_prompt": "{role}:\\n", "stop": ["\\n\\n"]}
 
 A message's optional `name` replaces its role's speaker name, so a chat can cast any characters.
+`validate_template` is what a checkpoint's template must pass at load (and `nanoserve train
+--chat-template` before training): a speaker for each of system, user and assistant; `message`
+uses {content} and at most {role}, `generation_prompt` at most {role} (`{{`/`}}` for literal
+braces, no other fields, conversions or format specs); up to 8 stop strings of 1 to 256 characters.
 """
 
 from __future__ import annotations
