@@ -187,7 +187,7 @@ def _rewrite_model(path: Path, **changes: object) -> None:
 # Each model config value is refused by name at load: strict types (a bool is not an int, a string
 # not a bool), bounds that keep absurd sizes from allocating anything, and values that would only
 # fail at the first forward (a LayerNorm epsilon that is not a finite positive number).
-BAD_MODEL_FIELDS = {
+BAD_MODEL_FIELDS: dict[str, tuple[dict[str, object], str]] = {
     "bias-string": ({"bias": "yes"}, "bias must be true or false, got 'yes'"),
     "bias-int": ({"bias": 1}, "bias must be true or false, got 1"),
     "layers-float": ({"n_layer": 2.0}, "n_layer must be a positive integer, got 2.0"),
@@ -275,14 +275,18 @@ def _nested_config(path: Path) -> None:
 
 
 def _template(**changes: object) -> Callable[[Path], None]:
-    template = {"roles": {"system": "S", "user": "U", "assistant": "A"}, "message": "{role}: {content}\n",
-                "generation_prompt": "{role}:", "stop": ["\n"]}
+    template: dict[str, object] = {"roles": {"system": "S", "user": "U", "assistant": "A"},
+                                   "message": "{role}: {content}\n", "generation_prompt": "{role}:",
+                                   "stop": ["\n"]}
     template.update(changes)
     return lambda p: _rewrite_config(p, chat_template=template)
 
 
 def _tokenizer_vocab(vocab: object) -> Callable[[Path], None]:
-    return lambda p: (p / "tokenizer.json").write_text(json.dumps({"kind": "char", "vocab": vocab}))
+    def damage(p: Path) -> None:
+        (p / "tokenizer.json").write_text(json.dumps({"kind": "char", "vocab": vocab}))
+
+    return damage
 
 
 @pytest.mark.parametrize(
@@ -342,3 +346,33 @@ def test_an_absent_or_null_template_is_the_default_one(ckpt_dir: Path) -> None:
 
     _rewrite_config(ckpt_dir, chat_template=None)
     assert load_checkpoint(ckpt_dir).chat_template == DEFAULT_CHAT_TEMPLATE
+
+
+def _rewrite_header(path: Path, edit: Callable[[dict], None]) -> None:  # type: ignore[type-arg]
+    data = (path / "model.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    raw = json.dumps(header).encode()
+    (path / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
+
+
+def _claim_huge_embedding(header: dict) -> None:  # type: ignore[type-arg]
+    # Shape and offsets of a 4 TiB tensor in a file of a few hundred kB: nothing may allocate it.
+    start = header["wte.weight"]["data_offsets"][0]
+    header["wte.weight"].update(shape=[2**35, 32], data_offsets=[start, start + 2**42])
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [lambda p: (p / "model.safetensors").open("ab").write(b"\0" * 64),
+     lambda p: _rewrite_header(p, _claim_huge_embedding)],
+    ids=["trailing-bytes", "huge-declared-tensor"],
+)
+def test_a_file_whose_bytes_do_not_match_its_header_is_refused_before_reading(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch, damage
+) -> None:  # type: ignore[no-untyped-def]
+    damage(ckpt_dir)
+    _refuse_reading_weights(monkeypatch)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: not a valid safetensors file"):
+        load_checkpoint(ckpt_dir)
