@@ -120,6 +120,8 @@ def save_checkpoint(
     provenance: dict[str, Any] | None = None,
     card: str | None = None,
 ) -> Path:
+    if chat_template is not None:
+        validate_template(chat_template)  # never write a checkpoint that loading would refuse
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = state_dict_for_saving(model)

@@ -376,3 +376,14 @@ def test_a_file_whose_bytes_do_not_match_its_header_is_refused_before_reading(
     _refuse_reading_weights(monkeypatch)
     with pytest.raises(CheckpointError, match=r"model.safetensors: not a valid safetensors file"):
         load_checkpoint(ckpt_dir)
+
+
+def test_a_template_that_loading_would_refuse_is_never_saved(tmp_path: Path) -> None:
+    from model.chat_template import ChatTemplateError
+
+    ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path / "a"))
+    bad = {"roles": {"user": "U", "assistant": "A"}, "message": "{role}: {content}",
+           "generation_prompt": "{role}:"}
+    with pytest.raises(ChatTemplateError, match="roles has no speaker for 'system'"):
+        save_checkpoint(tmp_path / "b", ckpt.build_model(), ckpt.tokenizer, name="b", chat_template=bad)
+    assert not (tmp_path / "b").exists()
