@@ -193,7 +193,9 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             continue
         if not isinstance(value, dict):
             raise CheckpointError(f"{config_path}: {key} must be a JSON object")
-    name = manifest.get("name", path.name)
+    if manifest.get("name") is None:  # absent or null: the directory's name
+        manifest["name"] = path.resolve().name
+    name = manifest["name"]
     # The name is the served model's id (API responses, /info, logs): plain text, bounded.
     if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS or not name.isprintable():
         raise CheckpointError(
@@ -334,7 +336,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         config=config,
         tokenizer=tokenizer,
         state_dict=tensors,
-        name=manifest.get("name", root.name),
+        name=manifest["name"],
         chat_template=chat_template,
         provenance=manifest.get("provenance") or {},  # absent or null: none
         dtype=manifest["dtype"],

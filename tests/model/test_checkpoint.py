@@ -387,3 +387,12 @@ def test_a_template_that_loading_would_refuse_is_never_saved(tmp_path: Path) -> 
     with pytest.raises(ChatTemplateError, match="roles has no speaker for 'system'"):
         save_checkpoint(tmp_path / "b", ckpt.build_model(), ckpt.tokenizer, name="b", chat_template=bad)
     assert not (tmp_path / "b").exists()
+
+
+def test_an_absent_or_null_name_is_the_directory_name(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _rewrite_config(ckpt_dir, name=None)
+    assert load_checkpoint(ckpt_dir).name == "ckpt"
+    monkeypatch.chdir(ckpt_dir)
+    assert load_checkpoint(".").name == "ckpt"
