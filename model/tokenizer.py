@@ -208,6 +208,10 @@ class BPETokenizer(Tokenizer):
     def eos_id(self) -> int | None:
         return self._eos
 
+    def largest_id(self) -> int:
+        """The largest id in the vocabulary (vocab_size - 1 unless the ids have gaps)."""
+        return max(self._tok.get_vocab().values(), default=-1)
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
@@ -239,7 +243,7 @@ def tokenizer_from_json(data: Any) -> Tokenizer:
         tok = BPETokenizer(HFTokenizer.from_str(json.dumps(data)))
         # The engine masks ids from vocab_size up as padding: an id above them would be a token
         # that encode() produces and the model's embedding may not have.
-        top = max(tok._tok.get_vocab().values(), default=-1)
+        top = tok.largest_id()
         if top >= tok.vocab_size:
             raise ValueError(f"token ids must run from 0 to {tok.vocab_size - 1}, found id {top}")
         return tok

@@ -24,9 +24,9 @@ def _check_device(device: str) -> None:
     if device != "cuda" and not (index is not None and index.isascii() and index.isdigit()):
         raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
     if not torch.cuda.is_available():
-        reason = ("this PyTorch build has no CUDA support" if torch.version.cuda is None
-                  else "no CUDA device is visible")
-        raise ValueError(f"device {device!r}: {reason} (torch {torch.__version__}); use --device cpu")
+        built = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+        reason = "no CUDA device is visible" if built else "this PyTorch build has no CUDA support"
+        raise ValueError(f"device {device!r}: {reason} (torch {torch.__version__}); use cpu or auto")
     count = torch.cuda.device_count()
     if index is not None and int(index) >= count:
         raise ValueError(f"device {device!r}: {count} CUDA device(s) visible, cuda:0 to cuda:{count - 1}")
