@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+# Upper bounds on the sizes: far above any model this GPT can serve (GPT-3 175B has 96 layers and a
+# width of 12,288), low enough that a typo such as `"n_embd": 2**40` is refused by name instead of
+# becoming an overflow or an attempt to allocate terabytes.
+SIZE_LIMITS = {
+    "vocab_size": 2**22,
+    "block_size": 2**20,
+    "n_layer": 1024,
+    "n_head": 1024,
+    "n_embd": 2**16,
+}
+
+
+def _is_finite_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -24,16 +40,29 @@ class GPTConfig:
     layer_norm_epsilon: float = 1e-5
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        # Strict types: a config.json value like `"bias": "yes"` or `"n_layer": 2.5` is refused
+        # here rather than coerced or left to fail later (a bool is not an int, nor a number).
+        for name, limit in SIZE_LIMITS.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+            if value > limit:
+                raise ValueError(f"GPTConfig.{name} is {value}, more than the limit of {limit}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
             )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"GPTConfig.bias must be true or false, got {self.bias!r}")
+        if not _is_finite_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be a number in [0, 1), got {self.dropout!r}")
+        # LayerNorm divides by sqrt(var + eps): eps <= 0 or NaN gives NaN activations at the
+        # first forward, long after loading succeeded.
+        if not _is_finite_number(self.layer_norm_epsilon) or self.layer_norm_epsilon <= 0:
+            raise ValueError(
+                "GPTConfig.layer_norm_epsilon must be a finite number above 0, "
+                f"got {self.layer_norm_epsilon!r}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -48,6 +77,8 @@ class GPTConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown GPTConfig fields: {', '.join(unknown)}")
+        if "vocab_size" not in data:
+            raise ValueError("missing GPTConfig field: vocab_size")
         return cls(**data)
 
 

@@ -17,6 +17,22 @@ _ISAS = ("auto", *NATIVE_ISAS)
 BACKENDS = ("auto", "native", "torch")
 
 
+def _check_device(device: str) -> None:
+    """Raise ValueError unless `device` names a device this process can use (before any load)."""
+    if device in ("auto", "cpu"):
+        return
+    index = device.removeprefix("cuda:") if device.startswith("cuda:") else None
+    if device != "cuda" and not (index is not None and index.isascii() and index.isdigit()):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    if not torch.cuda.is_available():
+        built = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+        reason = "no CUDA device is visible" if built else "this PyTorch build has no CUDA support"
+        raise ValueError(f"device {device!r}: {reason} (torch {torch.__version__}); use cpu or auto")
+    count = torch.cuda.device_count()
+    if index is not None and int(index) >= count:
+        raise ValueError(f"device {device!r}: {count} CUDA device(s) visible, cuda:0 to cuda:{count - 1}")
+
+
 @dataclass
 class EngineConfig:
     device: str = "auto"  # auto|cpu|cuda
@@ -65,8 +81,7 @@ class EngineConfig:
         return max(1, self.max_queue // 2)
 
     def __post_init__(self) -> None:
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        _check_device(self.device)
         if self.native_isa not in _ISAS:
             raise ValueError(f"native_isa must be one of {', '.join(_ISAS)}, got {self.native_isa!r}")
         if self.dtype not in _DTYPES:
