@@ -1,6 +1,6 @@
 """The forward alone: the native step (service/engine/native/decode.c) vs torch's kernels.
 
-    python bench/decode_step.py [--shapes 10.7M,124M] [--rows 1,4,16,64] [--prefill 16,64,256]
+    python -m bench.forward_kernels [--shapes 10.7M,124M] [--rows 1,4,16,64] [--prefill 16,64,256]
 
 Decode: for each random-weight model shape and batch size, the same cache, prefilled to position 40
 for every row, and the same one-token batch, through the torch decode step (oneDNN packed linears,
@@ -20,18 +20,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.engine import SHAPES, machine
+from bench.record import RESULTS, machine
+from bench.shapes import SHAPES
 from bench.timing import best_median_s
-from model.config import GPTConfig
 from model.gpt import GPT
 from service.engine.config import TILE_ISAS
 from service.engine.decode_step import DecodeStep
@@ -39,13 +36,12 @@ from service.engine.kv_slots import SpanKVCache
 from service.engine.native_step import NativeStep
 from service.engine.packed_linear import pack_linears
 
-RESULTS = Path(__file__).resolve().parent / "results"
 POSITION = 40
 
 
 @torch.inference_mode()
 def bench_shape(shape: str, rows_list: list[int], prefills: list[int], steps: int, rounds: int) -> list[str]:
-    cfg = GPTConfig(**SHAPES[shape])
+    cfg = SHAPES[shape]
     torch.manual_seed(0)
     model = GPT(cfg).eval()
     slots = max(rows_list)
@@ -137,7 +133,7 @@ def bench_dtypes(
     shape: str, rows_list: list[int], positions: list[int], steps: int, rounds: int
 ) -> list[str]:
     """The native step with float32 or bfloat16 weights and KV cache, decode rows at each position."""
-    cfg = GPTConfig(**SHAPES[shape])
+    cfg = SHAPES[shape]
     torch.manual_seed(0)
     base = GPT(cfg).eval()
     slots = max(rows_list)
@@ -166,7 +162,8 @@ def bench_dtypes(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.forward_kernels", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="10.7M,124M")
     ap.add_argument("--rows", default="1,4,16,64")
     ap.add_argument("--prefill", default="16,64,256,1024", help="prompt lengths (tokens) to prefill")
@@ -200,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     for shape in args.shapes.split(","):
         steps = args.steps if shape == "10.7M" else max(5, args.steps // 4)
-        window = SHAPES[shape]["block_size"]
+        window = SHAPES[shape].block_size
         if args.dtypes:
             positions = [p for p in (int(x) for x in args.positions.split(",")) if p < window]
             lines += bench_dtypes(shape, rows, positions, steps, args.rounds)
