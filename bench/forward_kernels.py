@@ -22,6 +22,7 @@ import argparse
 import copy
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -98,12 +99,12 @@ def bench_shape(shape: str, rows_list: list[int], prefills: list[int], steps: in
     return lines
 
 
-def _on_avx2(native: NativeStep, run: Callable[[], None]) -> dict[str, Callable[[], None]]:
+def _on_avx2(native: NativeStep, run: Callable[[], object]) -> dict[str, Callable[[], object]]:
     """Where the CPU has AVX-512, the native step again with its AVX2 kernels (same bits)."""
     return {"native avx2": _at_level(native, "avx2", run)} if native.isa == "avx512" else {}
 
 
-def _at_level(native: NativeStep, level: str, run: Callable[[], None]) -> Callable[[], None]:
+def _at_level(native: NativeStep, level: str, run: Callable[[], object]) -> Callable[[], object]:
     """`run` with the native step's kernels at `level` (then back to the best)."""
     best = native.isa
 
@@ -137,23 +138,26 @@ def bench_dtypes(
     torch.manual_seed(0)
     base = GPT(cfg).eval()
     slots = max(rows_list)
-    steppers = {}
+    steppers: dict[str, NativeStep] = {}
     for name, (wdtype, kvdtype) in VARIANTS.items():
         cache = SpanKVCache(cfg.n_layer, slots, cfg.n_head, cfg.block_size, cfg.head_dim, kvdtype, "cpu")
         for layer in cache.layers:  # any values: only the bytes read matter here
-            layer.k.normal_(), layer.v.normal_()  # type: ignore[union-attr]
+            for buf in (layer.k, layer.v):
+                assert isinstance(buf, torch.Tensor)
+                buf.normal_()
         model = copy.deepcopy(base).to(wdtype)
         steppers[name] = NativeStep(model, cache, max_threads=torch.get_num_threads())
     lines = []
     for rows in rows_list:
         for position in positions:
             toks, pos, slot = [1] * rows, [position] * rows, list(range(rows))
-            fns = {name: (lambda st=st: st(toks, pos, slot)) for name, st in steppers.items()}  # noqa: B023
+            fns: dict[str, Callable[[], object]] = {
+                name: partial(st, toks, pos, slot) for name, st in steppers.items()}
             bf16 = steppers["bfloat16 / bfloat16"]
             if bf16.isa in TILE_ISAS:  # the same step on the widening kernels: float32 inputs
                 fns["bfloat16 / bfloat16, AVX-512 widening"] = _at_level(
-                    bf16, "avx512", fns["bfloat16 / bfloat16"])  # type: ignore[arg-type]
-            best = best_median_s(fns, steps, rounds)  # type: ignore[arg-type]
+                    bf16, "avx512", fns["bfloat16 / bfloat16"])
+            best = best_median_s(fns, steps, rounds)
             first = best[next(iter(VARIANTS))]
             for name, t in best.items():
                 lines.append(f"| {shape} | {rows} | {position} | {name} | {t * 1e3:.2f} | {first / t:.2f} |")

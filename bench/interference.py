@@ -49,7 +49,7 @@ def run(way: str, share: float, checkpoint: Path) -> dict[str, Any]:
     elif way == "thread":
         threading.Thread(target=busy_loop, args=(share, stop), daemon=True).start()
     try:
-        return in_process(checkpoint, 32, 256, 64, "ROMEO:")
+        return in_process(checkpoint, 32, 256, 64, "ROMEO:", "float32", 0)
     finally:
         stop.set()
         if other is not None:

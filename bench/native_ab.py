@@ -83,7 +83,7 @@ def step_for(lib: Path, model: GPT, cfg: GPTConfig, slots: int, dtype: torch.dty
         gen = torch.Generator().manual_seed(1)
         for layer in cache.layers:
             for t in (layer.k, layer.v):
-                assert t is not None
+                assert isinstance(t, torch.Tensor)
                 t.copy_(torch.randn(t.shape, generator=gen))
         return NativeStep(copy.deepcopy(model), cache, max_threads=torch.get_num_threads(), max_rows=2048,
                           hold_once=True)

@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default=str(RESULTS / "sampled"))
     args = ap.parse_args(argv)
-    started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_before": load_avg()}
+    started: dict[str, Any] = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               "load_before": load_avg()}
     concs = [int(c) for c in args.concurrency.split(",")]
     results = [r for dtype in args.dtypes.split(",") for r in run(args.shape, dtype, concs, args)]
     meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}

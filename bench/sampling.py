@@ -106,7 +106,7 @@ def hf_sampler(params: dict[str, float], context: torch.Tensor) -> Callable[[tor
     chain = LogitsProcessorList(warpers)
 
     def sample(logits: torch.Tensor) -> torch.Tensor:
-        scores = chain(context, logits)
+        scores = chain(context, logits)  # type: ignore[arg-type]  # int64: a LongTensor at run time
         return torch.multinomial(scores.softmax(dim=-1), 1).view(-1)
 
     return sample
@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_before": load_avg()}
+    started: dict[str, Any] = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               "load_before": load_avg()}
     if args.engine:
         runs = run_engine(args.scale, args.concurrency)
         meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
