@@ -34,7 +34,7 @@ cwarnings:
 	$(CC) -O3 -std=c11 -Wall -Wextra -Werror -fPIC -c service/engine/native/decode.c -o /dev/null
 
 bench: install
-	$(PY) bench/engine.py
+	$(PY) -m bench.engine_throughput
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
