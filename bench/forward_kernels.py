@@ -32,10 +32,10 @@ from bench.shapes import SHAPES
 from bench.timing import best_median_s
 from model.gpt import GPT
 from service.engine.config import TILE_ISAS
-from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
 from service.engine.native_step import NativeStep
 from service.engine.packed_linear import pack_linears
+from service.engine.torch_decode import TorchDecodeStep
 
 POSITION = 40
 
@@ -54,7 +54,7 @@ def bench_shape(shape: str, rows_list: list[int], prefills: list[int], steps: in
     native = NativeStep(model, cache, max_threads=torch.get_num_threads(),
                         max_rows=max([*prefills, 1]))
     pack_linears(model, batch_hint=slots)
-    reference = DecodeStep(model, cache)
+    reference = TorchDecodeStep(model, cache)
     for slot in range(slots):  # every row at POSITION, its own prompt
         cache.prepare([slot], [POSITION])
         prompt = torch.randint(0, cfg.vocab_size, (1, POSITION))

@@ -11,8 +11,8 @@ from bench.throughput_runs import Run, ShapeResult
 
 LEVERS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     # (name, EngineConfig overrides, SamplingParams overrides)
-    ("no native step (oneDNN packed linears)", {"native_step": False}, {}),
-    ("no native step, no oneDNN packing", {"native_step": False, "packed_linear": False}, {}),
+    ("no native step (oneDNN packed linears)", {"backend": "torch"}, {}),
+    ("no native step, no oneDNN packing", {"backend": "torch", "packed_linear": False}, {}),
     ("KV cache bfloat16", {"kv_cache_dtype": "bfloat16"}, {}),
     # bf16 models: the widening kernels (float32 inputs) instead of a tile level (AVX512-BF16 or
     # AMX, inputs rounded to bf16); float32 models run avx512 anyway (the same as the default).
