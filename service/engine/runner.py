@@ -21,7 +21,7 @@ from service.engine.backends.base import Backend
 from service.engine.penalties import PenaltyState
 from service.engine.request import Request
 from service.engine.threads import ThreadTuner
-from service.engine.work import SampleResult, WorkItem, draws
+from service.engine.work import SampleResult, WorkItem, needs_draw
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -141,7 +141,7 @@ class ModelRunner:
 
     # ---- sampling ------------------------------------------------------------------------
     @_inference
-    def sample(self, reqs: list[Request], logits: torch.Tensor) -> SampleResult:
+    def next_tokens(self, reqs: list[Request], logits: torch.Tensor) -> SampleResult:
         """Sample one token for each row of logits (N, V); rows without a usable distribution
         (a NaN, a +inf, or nothing above -inf) are flagged."""
         if self.usable_vocab < self.vocab:
@@ -151,7 +151,7 @@ class ModelRunner:
         # (probability zero). isfinite().all() + where + argmax took 3.6x as long at 50k logits.
         top, greedy = row_max(logits)  # ties: the first index, as argmax
         finite = [math.isfinite(v) for v in top]  # a few rows: cheaper than a torch op
-        if not any(draws(r) for r in reqs):
+        if not any(needs_draw(r) for r in reqs):
             tokens = greedy  # what a draw returns for such a batch, without running one
         else:
             if not all(finite):  # rows without a distribution sample from zeros (then flagged)

@@ -177,7 +177,7 @@ class Scheduler:
         make it fail get an error, and their batch-mates their tokens (a draw depends only on the
         row's own seed and step, so drawing a row again gives the same token)."""
         try:
-            sampled = self.runner.sample(reqs, logits)
+            sampled = self.runner.next_tokens(reqs, logits)
         except Exception as e:
             if len(reqs) == 1:
                 log.warning("request %s failed in sampling: %s", reqs[0].request_id, e)

@@ -29,7 +29,7 @@ class SampleResult:
     top_ids: list[list[int]] | None
 
 
-def draws(req: Request) -> bool:
+def needs_draw(req: Request) -> bool:
     """Whether a row needs more than the argmax of its raw logits: it samples, or a penalty
     moves its greedy pick."""
     return req.params.temperature > 0 or uses_penalties(req)

@@ -3,7 +3,7 @@
 Names follow Prometheus conventions: `nanoserve_` prefix, base units (seconds, bytes) as suffixes,
 `_total` on counters. Labels stay low-cardinality: routes are templated paths, never raw URLs.
 The gauges that describe the engine's state are not here: they are read from `Engine.stats()` at
-scrape time (service/metrics/engine.py), so they can never drift from the truth.
+scrape time (service/metrics/engine_collector.py), so they can never drift from the truth.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class Instruments:
             "nanoserve_cropped_prompt_tokens_total",
             "Prompt tokens dropped from the left so the prompt fits the model's window.",
         )
-        # Engine thread (service/metrics/engine.py, EngineObserver hooks).
+        # Engine thread (service/metrics/engine_collector.py, EngineObserver hooks).
         self.prefill = seconds(
             "nanoserve_prefill_duration_seconds", "Time the engine spent prefilling one request's prompt."
         )

@@ -40,7 +40,7 @@ class Backend(ABC):
     @abstractmethod
     def draw(self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor,
              penalties: PenaltyState) -> torch.Tensor:
-        """The next token of each row of `logits` (N, V): rows that draw (work.draws) by their
+        """The next token of each row of `logits` (N, V): rows that draw (work.needs_draw) by their
         parameters, seed and step; the others keep `greedy` (their argmax). Records the drawn
         tokens of rows with penalties in `penalties`."""
 

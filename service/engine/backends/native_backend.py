@@ -14,7 +14,7 @@ from service.engine.kv_slots import SpanKVCache
 from service.engine.native_step import NativeStep, SamplePenalties, release_weights
 from service.engine.penalties import PenaltyState
 from service.engine.request import Request
-from service.engine.work import WorkItem, draws, uses_penalties
+from service.engine.work import WorkItem, needs_draw, uses_penalties
 
 
 class NativeBackend(Backend):
@@ -48,7 +48,7 @@ class NativeBackend(Backend):
              penalties: PenaltyState) -> torch.Tensor:
         logits = logits.to(torch.float32).contiguous()  # as the step returns them: no copy
         tokens = greedy.clone()
-        drawing = [draws(r) for r in reqs]
+        drawing = [needs_draw(r) for r in reqs]
         ps = [r.params for r in reqs]
         penal = [j for j, r in enumerate(reqs) if drawing[j] and uses_penalties(r)]
         self.step.sample(

@@ -15,7 +15,7 @@ from service.engine.packed_linear import pack_linears
 from service.engine.penalties import PenaltyState
 from service.engine.request import Request
 from service.engine.torch_decode import TorchDecodeStep
-from service.engine.work import WorkItem, draws
+from service.engine.work import WorkItem, needs_draw
 
 
 class TorchBackend(Backend):
@@ -63,15 +63,16 @@ class TorchBackend(Backend):
 def torch_draw(reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor, penalties: PenaltyState,
                vocab: int) -> torch.Tensor:
     """Backend.draw by model/sampling.py's sample_tokens, on the logits' device."""
-    rows = [j for j, r in enumerate(reqs) if draws(r)]
+    rows = [j for j, r in enumerate(reqs) if needs_draw(r)]
     if len(rows) == len(reqs):
-        return _sample(reqs, logits, penalties, vocab)
+        return _sample_with_penalties(reqs, logits, penalties, vocab)
     tokens = greedy.clone()
-    tokens[rows] = _sample([reqs[j] for j in rows], logits[rows], penalties, vocab)
+    tokens[rows] = _sample_with_penalties([reqs[j] for j in rows], logits[rows], penalties, vocab)
     return tokens
 
 
-def _sample(reqs: list[Request], logits: torch.Tensor, penalties: PenaltyState, vocab: int) -> torch.Tensor:
+def _sample_with_penalties(reqs: list[Request], logits: torch.Tensor, penalties: PenaltyState,
+                           vocab: int) -> torch.Tensor:
     """sample_tokens, penalties and their bookkeeping included."""
     batch = sampling_batch(reqs, vocab, logits.device)
     slots = torch.tensor([r.slot for r in reqs], device=logits.device)

@@ -19,7 +19,7 @@ from service.engine.backends.torch_backend import torch_draw
 from service.engine.kv_slots import SpanKVCache
 from service.engine.native_step import NativeStep, SamplePenalties
 from service.engine.types import SamplingParams
-from service.engine.work import draws
+from service.engine.work import needs_draw
 from tests.service.engine.conftest import EngineFactory, col, collect, token_ids
 
 pytestmark = [pytest.mark.usefixtures("native_library"), pytest.mark.backends("native")]
@@ -234,7 +234,7 @@ def test_typical_p_on_flat_wide_rows_keeps_the_float64_cut(native: NativeStep) -
 def test_the_rows_that_draw_are_the_sampled_and_the_penalised_ones() -> None:
     # The native backend draws every such row with its sampler; the others keep the argmax.
     def takes(**params: float) -> bool:
-        return draws(SimpleNamespace(params=SamplingParams(**params)))  # type: ignore[arg-type]
+        return needs_draw(SimpleNamespace(params=SamplingParams(**params)))  # type: ignore[arg-type]
 
     assert takes(temperature=0.7) and takes(temperature=1.0, top_p=0.9, top_k=5, min_p=0.1)
     assert takes(temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5)

@@ -400,7 +400,7 @@ async def test_the_runner_flags_rows_with_no_usable_distribution(
         req = Request("r", [1], params, slot, 0, lively.tokenizer, loop, Inbox(loop))
         req.slot = slot
         reqs.append(req)
-    result = runner.sample(reqs, logits)
+    result = runner.next_tokens(reqs, logits)
     assert result.finite == [True, True, False, False, False, True]
     if temperature == 0.0:
         assert [result.tokens[i] for i in (0, 1, 5)] == [3, 3, 3]

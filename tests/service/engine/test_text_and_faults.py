@@ -134,14 +134,14 @@ async def test_a_request_whose_sampling_raises_fails_alone(
     # Whatever a request's parameters make the sampler raise, only that request ends in an error:
     # the step bisects the batch and its mates get the tokens they get alone.
     engine = make_engine(max_seqs=4)
-    real_sample = engine.runner.sample
+    real_sample = engine.runner.next_tokens
 
     def sample(reqs, logits):  # type: ignore[no-untyped-def]
         if any(r.seed == 666 for r in reqs):
             raise OverflowError("Overflow when unpacking long long")
         return real_sample(reqs, logits)
 
-    monkeypatch.setattr(engine.runner, "sample", sample)
+    monkeypatch.setattr(engine.runner, "next_tokens", sample)
     prompts = ["Hello", "abc", "xyz", "The end"]
     seeds = [1, 666, 2, 3]
     results = await asyncio.gather(*(
