@@ -43,9 +43,10 @@ EngineFactory = Callable[..., Engine]
 
 
 # Every engine test runs once per backend (`make_engine` builds engines on `backend`), so the torch
-# backend, the one a GPU runs, is tested as fully as the native one. A test of one backend's own
-# code says so with @pytest.mark.backends("native").
-BACKENDS = ("native", "torch")
+# backend, the one a GPU runs, is tested as fully as the native one; where CUDA is present it runs
+# on the GPU too ("torch-cuda"). A test of one backend's own code says so with
+# @pytest.mark.backends("native").
+BACKENDS = ("native", "torch", *(("torch-cuda",) if torch.cuda.is_available() else ()))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -69,7 +70,9 @@ async def make_engine(lively: Checkpoint, backend: str) -> AsyncIterator[EngineF
     engines: list[Engine] = []
 
     def factory(checkpoint: Checkpoint | None = None, observer=None, **overrides) -> Engine:  # type: ignore[no-untyped-def]
-        overrides.setdefault("backend", backend)
+        name, _, device = backend.partition("-")
+        overrides.setdefault("backend", name)
+        overrides.setdefault("device", device or "cpu")
         engine = Engine(checkpoint or lively, EngineConfig(**overrides), observer)
         engine.start()
         engines.append(engine)
