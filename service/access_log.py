@@ -131,7 +131,7 @@ class RequestContextMiddleware:
             fields = record.fields(time.perf_counter() - arrival)
             # Successful probes and scrapes come every few seconds: debug level, not noise at info.
             quiet = record.path in _QUIET_PATHS and record.status < 400
-            message = " ".join(f"{k}={_logfmt(v)}" for k, v in fields.items())
+            message = logfmt_line(fields)
             log.log(logging.DEBUG if quiet else logging.INFO, message, extra={"fields": fields})
 
 
@@ -161,18 +161,27 @@ def escape(text: str, keep_newlines: bool = False) -> str:
 
 
 def _logfmt(value: object) -> str:
-    """A value of the text access line: quoted when a space, quote or `=` would blur the fields."""
+    """A value of the text access line, escaped, and quoted when a space, quote or `=` would blur
+    the fields (a quote inside is `\\x22`, as nginx writes it)."""
     text = escape(str(value))
     if text and not any(c in text for c in ' "='):
         return text
-    return '"' + text.replace('"', '\\"') + '"'
+    return '"' + text.replace('"', "\\x22") + '"'
+
+
+def logfmt_line(fields: dict[str, Any]) -> str:
+    """`key=value ...`: the text form of an access-log line (already escaped)."""
+    return " ".join(f"{k}={_logfmt(v)}" for k, v in fields.items())
 
 
 class TextFormatter(logging.Formatter):
     """`time level logger: message`, with the message and any traceback escaped."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        record.message = escape(record.message)
+        fields = getattr(record, "fields", None)
+        # An access line is rendered from its fields, each escaped once (escaping the message
+        # again would double the backslashes of its escapes).
+        record.message = logfmt_line(fields) if isinstance(fields, dict) else escape(record.message)
         return super().formatMessage(record)
 
     def formatException(self, ei: Any) -> str:
