@@ -29,9 +29,15 @@ FD_RESERVE = 128
 LINGER_MAX = 64
 LINGER_S = 1.0
 LOG_INTERVAL_S = 10.0
+# Pipelined requests parsed ahead of their turn on one connection (each holds its scope and body);
+# while some wait, heads are parsed PIPELINED_PIECE bytes at a time so the count overshoots little,
+# and the input behind them waits unparsed, closing the connection past MAX_UNPARSED_BYTES.
+MAX_PIPELINED = 16
+PIPELINED_PIECE = 1024
+MAX_UNPARSED_BYTES = 1 << 20
 
 # Every `limit` label value, so each series exists (at 0) from the first scrape.
-LIMITS = ("max_connections", "header_bytes", "header_timeout", "idle_timeout", "parse_error")
+LIMITS = ("max_connections", "header_bytes", "header_timeout", "idle_timeout", "parse_error", "pipelining")
 _LEVELS = {"idle_timeout": logging.DEBUG, "header_timeout": logging.INFO, "parse_error": logging.INFO}
 
 

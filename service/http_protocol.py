@@ -20,7 +20,9 @@ which must act before a request exists, so below the app:
   or after idle bytes that start no request), else 408 (or a plain close if nothing came);
 - a kept-alive connection idle for `idle_timeout` is closed;
 - a malformed request is answered 400 and the connection closed, but only after the responses to
-  the requests before it on the connection (pipelined) have gone out whole.
+  the requests before it on the connection (pipelined) have gone out whole;
+- pipelined requests are parsed only a few ahead of their turn, so a megabyte of them cannot
+  hold hundreds of megabytes of request state.
 An answer the protocol writes itself is followed by a half-close and a short linger that reads
 and drops what the client still sends, so a client that is mid-send reads the answer instead of a
 connection reset.
@@ -36,7 +38,15 @@ from typing import Any, ClassVar
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
-from service.connection_guard import LINGER_MAX, LINGER_S, ConnectionGuard, ConnectionLimits
+from service.connection_guard import (
+    LINGER_MAX,
+    LINGER_S,
+    MAX_PIPELINED,
+    MAX_UNPARSED_BYTES,
+    PIPELINED_PIECE,
+    ConnectionGuard,
+    ConnectionLimits,
+)
 from service.errors import error_body
 
 BODY_WRITER = "nanoserve.body_writer"
@@ -110,6 +120,7 @@ class NanoserveHttpProtocol(HttpToolsProtocol):
         self._linger: asyncio.TimerHandle | None = None
         self._after_response: bytes | None = None  # to write once the response in progress is out
         self._running: RequestResponseCycle | None = None  # the request whose app runs now
+        self._unparsed: memoryview | None = None  # input held back while requests wait their turn
 
     # Connection.
 
@@ -150,24 +161,50 @@ class NanoserveHttpProtocol(HttpToolsProtocol):
         if self._closing:
             return  # an answer is out (or due): what the client still sends is dropped
         self._unset_keepalive_if_required()
-        view = memoryview(data)
+        if self._unparsed is not None:  # requests wait their turn: this waits behind them, unparsed
+            self._hold(memoryview(bytes(self._unparsed) + data))
+            return
+        self._parse(memoryview(data))
+        if self._head_timer is None and (self.cycle is None or self.cycle.response_complete):
+            self._arm_head_timer()  # idle bytes that begin no request (blank lines) end idleness too
+
+    def _parse(self, view: memoryview) -> None:
+        """Feed `view` to the parser in pieces no larger than the head's room, so a head is refused
+        when its bytes pass the limit, not after the parser has buffered all of it; and, while
+        requests wait their turn on this connection, a few heads at a time, so that no more than
+        about MAX_PIPELINED of them are parsed (each holds a scope) before their turn comes."""
         limit = self.guard.limits.max_head_bytes
-        # Fed in pieces no larger than the head's room, so a head is refused when its bytes pass
-        # the limit, not after the parser has buffered all of it.
         while view and not self._closing:
+            if len(self.pipeline) >= MAX_PIPELINED:
+                self._hold(view)
+                return
             if self._reading_head:
                 room = limit - self._head_bytes
                 if room <= 0:
                     self._head_too_large()
                     return
+                if self.pipeline or self._busy():
+                    room = min(room, PIPELINED_PIECE)
                 piece, view = view[:room], view[room:]
                 self._head_bytes += len(piece)
             else:
                 piece, view = view[:limit], view[limit:]
             if not self._feed(piece):
                 return
-        if self._head_timer is None and (self.cycle is None or self.cycle.response_complete):
-            self._arm_head_timer()  # idle bytes that begin no request (blank lines) end idleness too
+
+    def _hold(self, view: memoryview) -> None:
+        """Keep `view` unparsed until a waiting request's turn comes, and read no more meanwhile."""
+        self._unparsed = view
+        self.flow.pause_reading()
+        if len(view) > MAX_UNPARSED_BYTES:
+            self.guard.hit("pipelining", f"closing {_peer(self.client)} after its responses: over "
+                           f"{MAX_UNPARSED_BYTES} bytes of pipelined requests waiting")
+            self._answer_after_response(b"")
+
+    def _busy(self) -> bool:
+        """Whether a response is in progress on this connection."""
+        running = self._running
+        return running is not None and not running.response_complete and not running.disconnected
 
     def _feed(self, piece: memoryview) -> bool:
         try:
@@ -210,7 +247,10 @@ class NanoserveHttpProtocol(HttpToolsProtocol):
             self.server_state.total_requests += 1
             self._answer_and_close(self._after_response)
             return
-        super().on_response_complete()
+        super().on_response_complete()  # starts the next waiting request, if any
+        if self._unparsed is not None and not self._closing and not self.transport.is_closing():
+            view, self._unparsed = self._unparsed, None
+            self._parse(view)
 
     # Limits.
 
@@ -263,9 +303,8 @@ class NanoserveHttpProtocol(HttpToolsProtocol):
             broken.disconnected = True
             broken.message_event.set()
             self.pipeline = deque(entry for entry in self.pipeline if entry[0] is not broken)
-        running = self._running
-        if (running is not None and not running.response_complete and not running.disconnected) \
-                or self.pipeline:
+        self._unparsed = None
+        if self._busy() or self.pipeline:
             self._after_response = response
         else:
             self._answer_and_close(response)

@@ -6,6 +6,8 @@ nothing logs a traceback and the metrics count what was really answered (docs/li
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,8 +15,8 @@ import httpx
 import pytest
 
 from tests.reliability.conftest import ONE_THREAD
-from tests.reliability.observe import scrape, total
-from tests.reliability.raw_http import connect, error_code, read_until_close, split_responses
+from tests.reliability.observe import rss_bytes, scrape, total
+from tests.reliability.raw_http import Baseline, connect, error_code, read_until_close, split_responses
 from tests.service.server import ServerProcess, running_server
 
 GARBAGE = b"THIS IS NOT HTTP\r\n\r\n"
@@ -90,3 +92,38 @@ def test_no_traceback_and_the_server_is_well(server: ServerProcess) -> None:
     logs = server.logs()
     assert "Traceback" not in logs and "Exception in ASGI" not in logs, logs[-3000:]
     assert "malformed request" in logs
+
+
+def test_a_pipelined_flood_is_parsed_only_a_little_ahead(server: ServerProcess) -> None:
+    # 20,000 requests in 660 kB, written as fast as the socket takes them while their answers are
+    # read: parsed all at once they held ~3 kB of request state each (+60 MB here).
+    base = Baseline(server.process.pid)
+    n, batch = 20_000, 1_000
+    s = connect(server.port, timeout=60)
+    answered = [0]
+
+    def read_all() -> None:
+        tail = b""
+        while answered[0] < n:
+            chunk = s.recv(1 << 20)
+            if not chunk:
+                return
+            answered[0] += (tail + chunk).count(b"HTTP/1.1 200")
+            tail = chunk[-16:]
+
+    reader = threading.Thread(target=read_all, daemon=True)
+    reader.start()
+    peak = 0
+    for _ in range(n // batch):
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * batch)
+        peak = max(peak, rss_bytes(server.process.pid))
+    deadline = time.monotonic() + 60
+    while reader.is_alive() and time.monotonic() < deadline:
+        reader.join(0.2)
+        peak = max(peak, rss_bytes(server.process.pid))
+    s.close()
+    assert answered[0] == n
+    grown = (peak - base.rss) / 2**20
+    assert grown < 30, f"RSS grew {grown:.0f} MB during the flood"
+    base.back_within(fds=10, rss_mb=30)
+    print(f"pipelined flood: {n} answered, RSS peak {grown:+.1f} MB")
