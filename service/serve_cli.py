@@ -145,6 +145,8 @@ def connection_limits(settings: Settings) -> ConnectionLimits:
     if capacity < settings.max_connections:
         log.warning("max_connections lowered from %d to %d to fit the open-file limit of %d",
                     settings.max_connections, capacity, files)
+    else:
+        log.info("connections: at most %d open (open-file limit %d)", capacity, files)
     return ConnectionLimits(
         max_connections=capacity,
         header_timeout=settings.header_timeout,
