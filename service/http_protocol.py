@@ -15,7 +15,8 @@ The protocol also enforces the connection limits (service/connection_guard.py, d
 which must act before a request exists, so below the app:
 - at most `max_connections` open: one more is answered 503 at once and closed;
 - a request head (request line and headers) is counted as its bytes arrive and answered 431 past
-  `max_head_bytes`, instead of growing in the parser until it ends;
+  `max_head_bytes`, instead of growing in the parser until it ends; so are a chunked body's
+  trailers and chunk framing (beyond a few bytes a chunk);
 - a head must be complete `header_timeout` seconds after it began (or after the connection opened,
   or after idle bytes that start no request), else 408 (or a plain close if nothing came);
 - a kept-alive connection idle for `idle_timeout` is closed;
@@ -121,6 +122,9 @@ class NanoserveHttpProtocol(HttpToolsProtocol):
         self._after_response: bytes | None = None  # to write once the response in progress is out
         self._running: RequestResponseCycle | None = None  # the request whose app runs now
         self._unparsed: memoryview | None = None  # input held back while requests wait their turn
+        # The body being read: bytes fed, bytes that were body, chunks. What was not body is
+        # framing (chunk sizes and extensions) and trailers, which the parser buffers like headers.
+        self._body_fed = self._body_bytes = self._chunks = 0
 
     # Connection.
 
@@ -189,7 +193,11 @@ class NanoserveHttpProtocol(HttpToolsProtocol):
                 self._head_bytes += len(piece)
             else:
                 piece, view = view[:limit], view[limit:]
+                self._body_fed += len(piece)
             if not self._feed(piece):
+                return
+            if not self._reading_head and self._body_fed - self._body_bytes > limit + 32 * self._chunks:
+                self._framing_too_large()
                 return
 
     def _hold(self, view: memoryview) -> None:
@@ -232,11 +240,19 @@ class NanoserveHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
         self._reading_head = False
+        self._body_fed = self._body_bytes = self._chunks = 0
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:  # the cycle this request just got
             extensions: dict[str, Any] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
             extensions[BODY_WRITER] = BodyWriter(cycle)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        super().on_body(body)
+
+    def on_chunk_header(self) -> None:
+        self._chunks += 1
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -259,6 +275,14 @@ class NanoserveHttpProtocol(HttpToolsProtocol):
         self.guard.hit("header_bytes", f"431 to {_peer(self.client)}: request head over {limit} bytes")
         self._answer_after_response(raw_error(
             431, f"the request line and headers are more than the limit of {limit} bytes",
+            "headers_too_large"))
+
+    def _framing_too_large(self) -> None:
+        limit = self.guard.limits.max_head_bytes
+        self.guard.hit("header_bytes", f"431 to {_peer(self.client)}: chunk framing and trailers over "
+                       f"{limit} bytes")
+        self._answer_after_response(raw_error(
+            431, f"the body's chunk framing and trailers are more than the limit of {limit} bytes",
             "headers_too_large"))
 
     def _head_timed_out(self) -> None:

@@ -202,3 +202,27 @@ def test_an_idle_kept_alive_connection_is_closed(server: ServerProcess) -> None:
     assert closed and split_responses(data)[0][0] == 200
     assert IDLE_TIMEOUT_S * 0.8 <= took < IDLE_TIMEOUT_S + 3, took
     assert hits(server, "idle_timeout") - before >= 1
+
+
+@pytest.mark.parametrize("opening", [b"2\r\n{}\r\n0\r\nX-Trailer: ", b"2;ext="], ids=["trailer", "chunk-ext"])
+def test_endless_trailers_or_chunk_extensions_get_431(server: ServerProcess, opening: bytes) -> None:
+    # Trailers are headers too: the parser buffered them (+65 MB in 20 s, at a quadratic CPU cost).
+    base = Baseline(server.process.pid)
+    s = connect(server.port)
+    s.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\n" + opening)
+    sent = 0
+    while sent < 64 << 20:
+        if select.select([s], [], [], 0)[0]:
+            break
+        try:
+            s.sendall(b"a" * 65536)
+        except OSError:
+            break
+        sent += 65536
+    data = read_until_close(s, timeout=5)
+    s.close()
+    [(status, _, body)] = split_responses(data)
+    assert status == 431 and error_code(body) == "headers_too_large"
+    assert sent < 16 << 20
+    base.back_within(FDS_BOUND, RSS_BOUND_MB)
