@@ -169,8 +169,10 @@ class NanoserveHttpProtocol(HttpToolsProtocol):
             self._hold(memoryview(bytes(self._unparsed) + data))
             return
         self._parse(memoryview(data))
-        if self._head_timer is None and (self.cycle is None or self.cycle.response_complete):
-            self._arm_head_timer()  # idle bytes that begin no request (blank lines) end idleness too
+        if self._head_timer is None and self._reading_head and self._head_bytes and not self._closing:
+            # A head began (or bytes that begin none, blank lines, ended idleness): its clock starts.
+            # Armed here rather than per request, so that a head read whole costs no timer.
+            self._arm_head_timer()
 
     def _parse(self, view: memoryview) -> None:
         """Feed `view` to the parser in pieces no larger than the head's room, so a head is refused
@@ -232,10 +234,6 @@ class NanoserveHttpProtocol(HttpToolsProtocol):
         super()._start_asgi_task(cycle, app)
 
     # Parser callbacks.
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._arm_head_timer()
 
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
