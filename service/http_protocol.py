@@ -220,8 +220,11 @@ class NanoserveHttpProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(piece)
         except httptools.HttpParserError as e:
-            self.guard.hit("parse_error", f"400 to {_peer(self.client)}: malformed request ({e})")
-            self._answer_after_response(raw_error(400, "the request is not valid HTTP/1.1", "bad_request"))
+            # The parser's reasons are its own fixed strings ("Invalid header value char").
+            reason = str(e) or type(e).__name__
+            self.guard.hit("parse_error", f"400 to {_peer(self.client)}: malformed request ({reason})")
+            self._answer_after_response(raw_error(
+                400, f"the request is not valid HTTP/1.1: {reason}", "bad_request"))
             return False
         except httptools.HttpParserUpgrade:
             if self._should_upgrade():
