@@ -37,7 +37,8 @@ PIPELINED_PIECE = 1024
 MAX_UNPARSED_BYTES = 1 << 20
 
 # Every `limit` label value, so each series exists (at 0) from the first scrape.
-LIMITS = ("max_connections", "header_bytes", "header_timeout", "idle_timeout", "parse_error", "pipelining")
+LIMITS = ("max_connections", "max_connections_per_client", "header_bytes", "header_timeout",
+          "idle_timeout", "parse_error", "pipelining")
 _LEVELS = {"idle_timeout": logging.DEBUG, "header_timeout": logging.INFO, "parse_error": logging.INFO}
 
 
@@ -46,6 +47,7 @@ class ConnectionLimits:
     """The protocol's limits; the defaults are the settings' defaults."""
 
     max_connections: int = 1024
+    max_connections_per_client: int = 0  # 0: no limit per client address
     header_timeout: float = 10.0
     idle_timeout: float = 5.0
     max_head_bytes: int = (32 << 10) + REQUEST_LINE_BYTES
@@ -77,6 +79,7 @@ class ConnectionGuard:
     def __init__(self, limits: ConnectionLimits, instruments: Instruments | None = None) -> None:
         self.limits = limits
         self.open = 0  # admitted connections now open
+        self._by_client: dict[str, int] = {}  # admitted connections open, per client address
         self.lingering = 0
         self._instruments = instruments
         self._quiet_until: dict[str, float] = {}
@@ -86,18 +89,27 @@ class ConnectionGuard:
                 instruments.connection_limit_hits.labels(limit=limit)
             instruments.connections_capacity.set(limits.max_connections)
 
-    def admit(self) -> bool:
-        """Count a new connection in, unless `max_connections` are open already."""
+    def admit(self, host: str | None) -> str | None:
+        """Count a new connection from `host` in; or, when a limit is full, the limit's name."""
         if self.open >= self.limits.max_connections:
-            return False
+            return "max_connections"
+        per_client = self.limits.max_connections_per_client
+        if per_client and host is not None:
+            held = self._by_client.get(host, 0)
+            if held >= per_client:
+                return "max_connections_per_client"
+            self._by_client[host] = held + 1
         self.open += 1
         self._set_open()
-        return True
+        return None
 
-    def closed(self) -> None:
-        """An admitted connection closed."""
+    def closed(self, host: str | None) -> None:
+        """A connection `admit` counted in closed."""
         self.open -= 1
         self._set_open()
+        held = self._by_client.pop(host, 0) if host is not None else 0
+        if host is not None and held > 1:
+            self._by_client[host] = held - 1
 
     def _set_open(self) -> None:
         if self._instruments is not None:

@@ -13,7 +13,8 @@ middlewares look at the start and the end alone.
 
 The protocol also enforces the connection limits (service/connection_guard.py, docs/limits.md),
 which must act before a request exists, so below the app:
-- at most `max_connections` open: one more is answered 503 at once and closed;
+- at most `max_connections` open, and `max_connections_per_client` from one address when set: one
+  more is answered 503 at once and closed;
 - a request head (request line and headers) is counted as its bytes arrive and answered 431 past
   `max_head_bytes`, instead of growing in the parser until it ends; so are a chunked body's
   trailers and chunk framing (beyond a few bytes a chunk);
@@ -114,6 +115,7 @@ class NanoserveHttpProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.timeout_keep_alive = self.guard.limits.idle_timeout  # type: ignore[assignment]
         self._admitted = False
+        self._host: str | None = None  # the client's address, for the per-client count
         self._reading_head = True  # bytes that arrive now belong to a request head
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
@@ -129,19 +131,26 @@ class NanoserveHttpProtocol(HttpToolsProtocol):
     # Connection.
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if not self.guard.admit():
-            self.transport = transport
-            self.client = transport.get_extra_info("peername")
-            limit = self.guard.limits.max_connections
-            self.guard.hit("max_connections",
-                           f"503 to {_peer(self.client)}: {limit} connections open (max_connections)")
-            self._answer_and_close(raw_error(
-                503, f"the server has {limit} connections open, its limit; retry shortly",
-                "too_many_connections", (b"retry-after: 1",)))
+        peer = transport.get_extra_info("peername")
+        self._host = peer[0] if isinstance(peer, tuple) else None
+        refused = self.guard.admit(self._host)
+        if refused is not None:
+            self.transport, self.client = transport, peer
+            self._refuse(refused)
             return
         self._admitted = True
         super().connection_made(transport)
         self._arm_head_timer()
+
+    def _refuse(self, limit: str) -> None:
+        if limit == "max_connections":
+            n, whose = self.guard.limits.max_connections, "the server has"
+        else:
+            n, whose = self.guard.limits.max_connections_per_client, "this client address has"
+        self.guard.hit(limit, f"503 to {_peer(self.client)}: {n} connections open ({limit})")
+        self._answer_and_close(raw_error(
+            503, f"{whose} {n} connections open, the limit; retry shortly", "too_many_connections",
+            (b"retry-after: 1",)))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
@@ -152,7 +161,7 @@ class NanoserveHttpProtocol(HttpToolsProtocol):
         if not self._admitted:
             return
         self._admitted = False
-        self.guard.closed()
+        self.guard.closed(self._host)
         super().connection_lost(exc)
 
     def shutdown(self) -> None:

@@ -149,6 +149,7 @@ def connection_limits(settings: Settings) -> ConnectionLimits:
         log.info("connections: at most %d open (open-file limit %d)", capacity, files)
     return ConnectionLimits(
         max_connections=capacity,
+        max_connections_per_client=settings.max_connections_per_client,
         header_timeout=settings.header_timeout,
         idle_timeout=settings.idle_timeout,
         max_head_bytes=settings.max_header_bytes + REQUEST_LINE_BYTES,

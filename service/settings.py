@@ -107,6 +107,11 @@ class Settings(BaseSettings):
         description="Open client connections beyond which a new one gets 503 and is closed (lowered "
         "at start-up to fit the open-file limit).",
     )
+    max_connections_per_client: int = Field(
+        default=0, ge=0, le=1_000_000,
+        description="Open connections one client address may hold (0: no limit per address); "
+        "beyond it a new one gets 503. Leave 0 behind a proxy, where every client has its address.",
+    )
     header_timeout: float = Field(
         default=10.0, gt=0, le=3600, allow_inf_nan=False,
         description="Seconds a request's line and headers may take, from the connection's start or "

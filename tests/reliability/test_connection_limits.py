@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import select
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -226,3 +227,28 @@ def test_endless_trailers_or_chunk_extensions_get_431(server: ServerProcess, ope
     assert status == 431 and error_code(body) == "headers_too_large"
     assert sent < 16 << 20
     base.back_within(FDS_BOUND, RSS_BOUND_MB)
+
+
+def test_one_client_address_cannot_take_every_connection(tiny_checkpoint: Path) -> None:
+    # Another loopback address plays the attacker: 127.0.0.2 takes its 16, the rest of its 100 get
+    # 503 at once, and 127.0.0.1 still connects, streams and probes.
+    env = {**ONE_THREAD, "NANOSERVE_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
+           "NANOSERVE_MAX_CONNECTIONS_PER_CLIENT": "16", "NANOSERVE_HEADER_TIMEOUT": "60"}
+    with running_server(tiny_checkpoint, env=env, ready_timeout=240) as server:
+        attack = []
+        for _ in range(100):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=10,
+                                         source_address=("127.0.0.2", 0))
+            attack.append(s)
+        bystander = BystanderStream(server.base_url)
+        assert httpx.get(server.base_url + "/health", timeout=5).status_code == 200
+        answers = [closed_by_server(s, timeout=0.2) for s in attack]
+        refused = [split_responses(data) for closed, data in answers if closed]
+        assert len(refused) == 100 - 16
+        for [(status, _, body)] in refused:
+            assert status == 503 and error_code(body) == "too_many_connections"
+            assert "this client address" in json.loads(body)["error"]["message"]
+        assert_stream_complete(bystander.result())
+        for s in attack:
+            s.close()
+        assert hits(server, "max_connections_per_client") == 100 - 16

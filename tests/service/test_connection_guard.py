@@ -51,12 +51,16 @@ def test_the_soft_file_limit_is_raised_to_the_hard_one() -> None:
 
 def test_guard_admits_up_to_the_limit_and_counts_hits() -> None:
     instruments = Instruments(CollectorRegistry())
-    guard = ConnectionGuard(ConnectionLimits(max_connections=2), instruments)
-    assert [guard.admit() for _ in range(3)] == [True, True, False]
-    assert instruments.connections_open._value.get() == 2
-    guard.closed()
-    assert guard.admit()
-    assert instruments.connections_capacity._value.get() == 2
+    guard = ConnectionGuard(ConnectionLimits(max_connections=3, max_connections_per_client=2), instruments)
+    assert [guard.admit("10.0.0.1") for _ in range(3)] == [None, None, "max_connections_per_client"]
+    assert guard.admit("10.0.0.2") is None
+    assert guard.admit("10.0.0.3") == "max_connections"
+    assert instruments.connections_open._value.get() == 3
+    guard.closed("10.0.0.1")
+    assert guard.admit("10.0.0.1") is None
+    guard.closed("10.0.0.2")
+    assert guard._by_client == {"10.0.0.1": 2}
+    assert instruments.connections_capacity._value.get() == 3
 
 
 async def test_limit_logs_are_rate_limited_with_a_count(
@@ -76,9 +80,10 @@ async def test_limit_logs_are_rate_limited_with_a_count(
     assert hits == 100
 
 
-@pytest.mark.parametrize("field", ["max_connections", "header_timeout", "idle_timeout"])
+@pytest.mark.parametrize("field", ["max_connections", "max_connections_per_client", "header_timeout",
+                                   "idle_timeout"])
 def test_connection_settings_refuse_nonsense(field: str) -> None:
-    for bad in (0, -1, "nan"):
+    for bad in (-1, "nan") if field == "max_connections_per_client" else (0, -1, "nan"):
         with pytest.raises(ValidationError):
             Settings(**{field: bad})
 
