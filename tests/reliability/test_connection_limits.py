@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import resource
 import select
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +36,7 @@ from tests.reliability.raw_http import (
     read_until_close,
     split_responses,
 )
-from tests.service.server import ServerProcess, running_server
+from tests.service.server import ServerProcess, free_port, running_server, serve_command, wait_ready
 
 MAX_CONNECTIONS = 64
 HEADER_TIMEOUT_S = 1.0
@@ -252,3 +255,36 @@ def test_one_client_address_cannot_take_every_connection(tiny_checkpoint: Path) 
         for s in attack:
             s.close()
         assert hits(server, "max_connections_per_client") == 100 - 16
+
+
+def test_the_connection_cap_stays_below_a_low_file_limit(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    # Soft and hard file limits of 400: the server lowers max_connections to fit (400 - 128 - 64),
+    # so a flood of 300 sockets gets answered 503s instead of accept() failing for want of a
+    # descriptor (every client then reset or left hanging, nothing logged).
+    files = 400
+    cap = files - 128 - 64
+
+    def low_file_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(serve_command(tiny_checkpoint, port), env={**os.environ, **ONE_THREAD},
+                                   stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=low_file_limit)
+    server = ServerProcess(f"http://127.0.0.1:{port}", port, process, log_path)
+    try:
+        wait_ready(server, timeout=240)
+        assert f"max_connections lowered from 1024 to {cap} to fit the open-file limit of {files}" \
+            in server.logs()
+        flood = [connect(port) for _ in range(300)]
+        time.sleep(0.5)
+        answered, _, _ = select.select(flood, [], [], 0)  # the refused: each has its 503 waiting
+        assert 300 - cap <= len(answered) <= 300 - cap + 2, len(answered)
+        assert all(split_responses(read_until_close(s, timeout=5))[0][0] == 503 for s in answered)
+        for s in flood:
+            s.close()
+        assert httpx.get(server.base_url + "/health", timeout=5).status_code == 200
+        assert "Too many open files" not in server.logs()
+    finally:
+        server.stop()
