@@ -132,6 +132,7 @@ def test_a_connection_flood_gets_fast_503s_and_spares_open_connections(server: S
     # Rate-limited: the refusals are one line and a count, not one line each.
     assert server.logs().count("(max_connections)") <= 3, server.logs()[-3000:]
     extra, grown = base.back_within(FDS_BOUND, RSS_BOUND_MB)
+    assert total(scrape(server.base_url), "nanoserve_connections_open") <= 2  # the scrape's own
     print(f"flood of 200: {refused} refused with 503, {timed_out} admitted then 408; fds +{extra}, "
           f"RSS {grown:+.1f} MB")
 
