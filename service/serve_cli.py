@@ -190,7 +190,9 @@ class DrainingServer(uvicorn.Server):
 
         try:
             drained = asyncio.ensure_future(drain(self.app, self.drain_timeout))
-            await asyncio.sleep(0)  # drain() marks the app draining before its first wait
+            lifecycle = self.app.state.lifecycle
+            while not lifecycle.is_draining() and not drained.done():
+                await asyncio.sleep(0)  # drain() marks the app draining before its first wait
             # Requests still waiting for the rest of their body are not admitted yet: they get the
             # drain's 503 now (request_guard.DrainGate), not a cancellation when the server stops.
             for connection in list(self.server_state.connections):
