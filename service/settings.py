@@ -110,7 +110,7 @@ class Settings(BaseSettings):
     max_connections_per_client: int = Field(
         default=0, ge=0, le=1_000_000,
         description="Open connections one client address may hold (0: no limit per address); "
-        "beyond it a new one gets 503. Leave 0 behind a proxy, where every client has its address.",
+        "beyond it a new one gets 503. Leave 0 behind a proxy: there every client has the proxy's address.",
     )
     header_timeout: float = Field(
         default=10.0, gt=0, le=3600, allow_inf_nan=False,
