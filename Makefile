@@ -7,9 +7,11 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: install serve test lint cwarnings bench clean
 
-# decode.c and the parts it includes: `pip install -e .` compiles the native decode step, so a
-# change to them reinstalls.
-$(VENV)/.installed: pyproject.toml $(wildcard service/engine/native/*.c service/engine/native/*.h)
+# The native step's sources, its header and the fragments decode.c includes: `pip install -e .`
+# compiles them, so a change to them reinstalls.
+NATIVE := service/engine/native
+NATIVE_SOURCES := $(NATIVE)/decode.c
+$(VENV)/.installed: pyproject.toml $(wildcard $(NATIVE)/*.c $(NATIVE)/*.h $(NATIVE)/*.inc)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH_SPEC)"
@@ -31,7 +33,7 @@ lint: install cwarnings
 # The native step compiles clean with warnings on (pyproject builds it with the same flags, without
 # -Werror so that a newer compiler's new warning never stops an install).
 cwarnings:
-	$(CC) -O3 -std=c11 -Wall -Wextra -Werror -fPIC -c service/engine/native/decode.c -o /dev/null
+	for src in $(NATIVE_SOURCES); do $(CC) -O3 -std=c11 -Wall -Wextra -Werror -fPIC -c $$src -o /dev/null || exit 1; done
 
 bench: install
 	$(PY) -m bench.engine_throughput

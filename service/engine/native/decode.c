@@ -18,6 +18,14 @@
  * Nothing here links a Python or torch header: the caller passes raw pointers to tensors it keeps
  * alive (linear weights packed in panels, see gemv; the KV cache's (slots, heads, window, head_dim)
  * buffers), and the library is loaded with ctypes, which releases the GIL for the call.
+ *
+ * The parts: this file includes row_kernels.inc, matmul.inc, tiles.inc, attention.inc and
+ * sampler.inc, once each, in that order. They are fragments of this translation unit, not headers
+ * (no guards, no interface of their own), and stay
+ * one unit on purpose: their kernels are static functions the compiler inlines into the per-thread
+ * step loop below, and they share this file's Model, Job and helpers. As separate units each call
+ * between them would be a real call on the hot path (or need link-time optimisation), and their
+ * private types would become a second, internal header.
  */
 #include <math.h>
 #include <stdint.h>
@@ -84,7 +92,7 @@ typedef struct {
                  * block holds it; see attention_blocks) */
     int *next; /* per phase and thread's part of a step, chunks claimed so far (see claim) */
     unsigned char *seen; /* per slot, zero between steps (see own_slots) */
-    char *smp;           /* sampler.h's scratch, per thread, grown to the widest rows asked for */
+    char *smp;           /* sampler.inc's scratch, per thread, grown to the widest rows asked for */
     size_t smp_bytes;
     parallel_fn parallel;
     barrier_fn barrier;
@@ -135,7 +143,7 @@ static inline float to_float(const void *p, int type, size_t i) {
     return type == BF16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-#include "row_kernels.h"
+#include "row_kernels.inc"
 
 /* Ask for the cache line at p. An asm statement, not __builtin_prefetch: GCC 12 at -O2 and above
  * dropped every __builtin_prefetch of the attention's prefetches once inlined into the step (the
@@ -154,12 +162,12 @@ static inline void prefetch_into(const void *p, int l1) {
 #endif
 }
 static inline void prefetch_line(const void *p) { prefetch_into(p, 1); }
-/* Into L2 only (ahead_of in attention.h: see there why not into L1). */
+/* Into L2 only (ahead_of in attention.inc: see there why not into L1). */
 static inline void prefetch_line_l2(const void *p) { prefetch_into(p, 0); }
 
-#include "matmul.h"
+#include "matmul.inc"
 
-#include "tiles.h"
+#include "tiles.inc"
 
 /* Work is claimed, not dealt: each thread takes the next `chunk` items of a phase from a shared
  * counter until none are left. On a machine whose cores also run other things (the server's event
@@ -263,9 +271,9 @@ static void gemv_claimed(const Job *job, int phase, const Linear *l, const float
     }
 }
 
-#include "attention.h"
+#include "attention.inc"
 
-#include "sampler.h"
+#include "sampler.inc"
 
 /* ---------------------------------------------------------------- the step, per thread */
 
@@ -586,7 +594,7 @@ void ns_step(void *model, int rows, const int64_t *tok, const int64_t *pos, cons
 }
 
 /* A token for each of `rows` rows of `vocab` float32 logits whose temperature is above 0, drawn as
- * sampler.h says with its top_k (0: off), top_p (1: off), min_p (0: off), typical_p (1: off) and
+ * sampler.inc says with its top_k (0: off), top_p (1: off), min_p (0: off), typical_p (1: off) and
  * uniform number; the argmax after the penalties for rows of temperature 0; out[r] of rows below 0
  * is left as it is. pen: NULL (no penalties), or seen (slots, vocab) bytes, counts (slots, vocab)
  * int32, each row's slot (int64), repetition, frequency and presence factors (float32 each). On
