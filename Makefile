@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 # The native step's sources, its header and the fragments decode.c includes: `pip install -e .`
 # compiles them, so a change to them reinstalls.
 NATIVE := service/engine/native
-NATIVE_SOURCES := $(NATIVE)/decode.c
+NATIVE_SOURCES := $(NATIVE)/decode.c $(NATIVE)/abi.c
 $(VENV)/.installed: pyproject.toml $(wildcard $(NATIVE)/*.c $(NATIVE)/*.h $(NATIVE)/*.inc)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip

@@ -3,7 +3,7 @@
     python -m bench.native_ab --base 8c7ce8a [--head WORKTREE] [--shape 10.7M] [--dtype bfloat16]
                               [--rows 1,8,32,64,32x16] [--position 40] [--rounds 8] [--steps 40]
 
-Builds service/engine/native/decode.c (with the fragments beside it) at two git revisions (--head
+Builds service/engine/native/ (decode.c with its fragments, abi.c) at two git revisions (--head
 WORKTREE: the files as they are on disk) with gcc -O3, loads each into its own NativeStep over the
 same random weights and the same KV cache contents, checks that both give the same logits (the
 native step's changes are meant to keep every bit), then times them in turns: each round runs
@@ -59,7 +59,8 @@ def build(revision: str, out: Path) -> Path:
                                   capture_output=True).stdout
             (src / name).write_bytes(blob)
     lib = src / f"{revision}.so"
-    cc = ["gcc", "-O3", "-std=c11", "-fPIC", "-shared", str(src / "decode.c"), "-o", str(lib), "-lm"]
+    sources = sorted(str(c) for c in src.glob("*.c"))  # decode.c, and abi.c where the revision has it
+    cc = ["gcc", "-O3", "-std=c11", "-fPIC", "-shared", *sources, "-o", str(lib), "-lm"]
     subprocess.run(cc, check=True)
     return lib
 
