@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # The CPU build of torch first: an unpinned torch could resolve to a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install serve test lint cwarnings bench clean
+.PHONY: install serve test lint cwarnings sanitize bench clean
 
 # The native step's sources, its header and the fragments decode.c includes: `pip install -e .`
 # compiles them, so a change to them reinstalls.
@@ -34,6 +34,20 @@ lint: install cwarnings
 # -Werror so that a newer compiler's new warning never stops an install).
 cwarnings:
 	for src in $(NATIVE_SOURCES); do $(CC) -O3 -std=c11 -Wall -Wextra -Werror -fPIC -c $$src -o /dev/null || exit 1; done
+
+# The native step built with AddressSanitizer and UBSan (any finding stops the test that met it),
+# and its tests run on that build. The python that loads it is not instrumented, so the ASan
+# runtime is preloaded; leak checking is off (it would report the interpreter's own allocations).
+SANITIZED := build/sanitize/_decode.so
+NATIVE_TESTS := tests/service/engine/test_native_step.py tests/service/engine/test_native_sampler.py \
+                tests/service/engine/test_native_abi.py
+sanitize: install
+	mkdir -p $(dir $(SANITIZED))
+	$(CC) -O3 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all \
+	    -std=c11 -Wall -Wextra -fPIC -shared $(NATIVE_SOURCES) -o $(SANITIZED) -lm
+	LD_PRELOAD=$$($(CC) -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 \
+	    UBSAN_OPTIONS=print_stacktrace=1 NANOSERVE_TEST_NATIVE_LIBRARY=$(SANITIZED) \
+	    $(PY) -m pytest -q -p no:cacheprovider $(NATIVE_TESTS)
 
 bench: install
 	$(PY) -m bench.engine_throughput
