@@ -52,7 +52,9 @@ from service.engine.native_abi import (
 
 log = logging.getLogger(__name__)
 
-_OMP_ENTRY_POINTS = ("GOMP_parallel", "GOMP_barrier", "omp_get_thread_num", "omp_get_num_threads")
+# libgomp's entry points by the ns_openmp field that takes each.
+_OMP_ENTRY_POINTS = {"parallel": "GOMP_parallel", "barrier": "GOMP_barrier",
+                     "thread_num": "omp_get_thread_num", "num_threads": "omp_get_num_threads"}
 _LIBRARY_NAME = "_decode"
 _DTYPES = (torch.float32, torch.bfloat16)  # the library's NS_F32 and NS_BF16
 _LAYER_LINEARS = ("attn", "proj", "fc", "mproj")  # ns_layer's linears, in ns_tile_linear's numbering
@@ -68,16 +70,17 @@ def library_path() -> Path | None:
     return None
 
 
-def omp_entry_points() -> list[int] | None:
-    """Addresses of libgomp's parallel-region entry points as torch loaded them, or None when
-    torch's OpenMP runtime does not export them (the step then runs on the calling thread)."""
+def omp_entry_points() -> dict[str, int] | None:
+    """Addresses of libgomp's parallel-region entry points as torch loaded them, by ns_openmp field,
+    or None when torch's OpenMP runtime does not export them (the step then runs on the calling
+    thread)."""
     process = ctypes.CDLL(None)
-    addresses = []
-    for name in _OMP_ENTRY_POINTS:
+    addresses = {}
+    for field, name in _OMP_ENTRY_POINTS.items():
         fn = getattr(process, name, None)
         if fn is None:
             return None
-        addresses.append(ctypes.cast(fn, ctypes.c_void_p).value or 0)
+        addresses[field] = ctypes.cast(fn, ctypes.c_void_p).value or 0
     return addresses
 
 
@@ -213,8 +216,9 @@ class SamplePenalties:
     frequency: list[float]
     presence: list[float]
 
-    def arrays(self, rows: int, vocab: int) -> list[torch.Tensor]:
-        """The six arrays native/sampler.inc reads, checked (it indexes raw memory with slots)."""
+    def arrays(self, rows: int, vocab: int) -> dict[str, torch.Tensor]:
+        """The six arrays native/sampler.inc reads, by ns_penalties field, checked (it indexes raw
+        memory with slots)."""
         seen, counts = self.seen, self.counts
         if not (seen.dtype == torch.bool and counts.dtype == torch.int32 and seen.is_contiguous()
                 and counts.is_contiguous() and seen.shape == counts.shape and seen.shape[1] == vocab):
@@ -222,8 +226,11 @@ class SamplePenalties:
         columns = (self.slots, self.repetition, self.frequency, self.presence)
         if any(len(c) != rows for c in columns) or not all(0 <= s < len(seen) for s in self.slots):
             raise ValueError("native sample: a slot and three factors per row, slots within the cache")
-        return [seen, counts, torch.tensor(self.slots, dtype=torch.int64),
-                *(torch.tensor(c, dtype=torch.float32) for c in columns[1:])]
+        factors = {name: torch.tensor(c, dtype=torch.float32)
+                   for name, c in (("repetition", self.repetition), ("frequency", self.frequency),
+                                   ("presence", self.presence))}
+        slot = torch.tensor(self.slots, dtype=torch.int64)
+        return {"seen": seen, "counts": counts, "slot": slot, **factors}
 
 
 class NativeStep:
@@ -281,7 +288,8 @@ class NativeStep:
         # points at them made once; like the library's own scratch buffers they make a NativeStep
         # single-threaded: only the engine thread calls it.
         self._args: list[Any] = [(ctypes.c_int64 * self.max_rows)() for _ in range(4)]
-        self._step = StepArgs(*(ctypes.addressof(a) for a in self._args))
+        tok, pos, slot, out = (ctypes.addressof(a) for a in self._args)
+        self._step = StepArgs(tok=tok, pos=pos, slot=slot, out=out)
         self._step_ptr = ctypes.pointer(self._step)
 
     def _create(self, config: Config, n_layer: int, use_openmp: bool) -> int:
@@ -295,7 +303,7 @@ class NativeStep:
         if omp is None and config.max_threads > 1:
             log.warning("native step: no libgomp entry points in this process, one thread only")
         handle = self._lib.ns_create(ctypes.byref(config), ctypes.byref(weights),
-                                     ctypes.byref(OpenMP(*omp)) if omp else None)
+                                     ctypes.byref(OpenMP(**omp)) if omp else None)
         if not handle:
             raise MemoryError("the native step could not allocate its buffers")
         return int(handle)
@@ -370,17 +378,19 @@ class NativeStep:
         if not (logits.dtype == torch.float32 and logits.is_contiguous() and out.dtype == torch.int64
                 and out.is_contiguous() and len(out) == n and all(len(c) == n for c in columns)):
             raise ValueError("native sample: (N, V) float32 logits; N of each parameter; N int64 outs")
-        pen, keep = None, []
+        pen, keep = None, {}
         if penalties is not None:
             keep = penalties.arrays(n, v)
-            pen = ctypes.pointer(Penalties(*(a.data_ptr() for a in keep)))
+            pen = ctypes.pointer(Penalties(**{name: a.data_ptr() for name, a in keep.items()}))
         t = torch.tensor(temperature, dtype=torch.float32)
         k = torch.tensor(top_k, dtype=torch.int64)
         p, mp, tp, u = (torch.tensor(c, dtype=torch.float64) for c in (top_p, min_p, typical_p, uniform))
         # Rows are dealt to threads whole: below ~64k logits a second thread's wake-up costs more.
         threads = max(1, min(torch.get_num_threads(), self.max_threads)) if n * v >= 1 << 16 else 1
-        args = SampleArgs(logits.data_ptr(), t.data_ptr(), k.data_ptr(), p.data_ptr(), mp.data_ptr(),
-                          tp.data_ptr(), u.data_ptr(), out.data_ptr(), pen, n, v, threads)
+        args = SampleArgs(logits=logits.data_ptr(), temperature=t.data_ptr(), top_k=k.data_ptr(),
+                          top_p=p.data_ptr(), min_p=mp.data_ptr(), typical_p=tp.data_ptr(),
+                          uniform=u.data_ptr(), out=out.data_ptr(), penalties=pen, rows=n, vocab=v,
+                          threads=threads)
         if self._lib.ns_sample(self._handle, ctypes.byref(args)):
             raise MemoryError("native sample: no scratch memory")
         del keep  # (the arrays the library read, alive until here)
