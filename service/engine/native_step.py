@@ -29,7 +29,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -142,13 +142,15 @@ def capture_weights(model: GPT) -> list[torch.Tensor | None]:
 
     # A tied output layer is the embedding: decode.c reads the embeddings from its panels then.
     tied = model.lm_head.weight is model.wte.weight
+    if model.config.family != "gpt2" or model.wpe is None:
+        raise ValueError("the native step runs the GPT-2 family only")
     w = [None if tied else copy(model.wte.weight, same), copy(model.wpe.weight, same)]
     blocks: list[Block] = list(model.h)  # type: ignore[arg-type]
     for block in blocks:
         attn, mlp = block.attn, block.mlp
-        w += norm(block.ln_1) + linear(attn.c_attn) + linear(attn.c_proj)
-        w += norm(block.ln_2) + linear(mlp.c_fc) + linear(mlp.c_proj)
-    return w + norm(model.ln_f) + linear(model.lm_head)
+        w += norm(cast(nn.LayerNorm, block.ln_1)) + linear(attn.c_attn) + linear(attn.c_proj)
+        w += norm(cast(nn.LayerNorm, block.ln_2)) + linear(mlp.c_fc) + linear(mlp.c_proj)
+    return w + norm(cast(nn.LayerNorm, model.ln_f)) + linear(model.lm_head)
 
 
 def release_weights(model: GPT) -> int:
