@@ -29,7 +29,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -156,6 +156,8 @@ def capture_weights(model: GPT, panel: int) -> dict[str, torch.Tensor | None]:
 
     # A tied output layer is the embedding: decode.c reads the embeddings from its panels then.
     tied = model.lm_head.weight is model.wte.weight
+    if model.config.family != "gpt2" or model.wpe is None:
+        raise ValueError("the native step runs the GPT-2 family only")
     w = {"wte": None if tied else copy(model.wte.weight, same), "wpe": copy(model.wpe.weight, same)}
 
     def linear(name: str, module: nn.Linear) -> None:
@@ -167,13 +169,13 @@ def capture_weights(model: GPT, panel: int) -> dict[str, torch.Tensor | None]:
     blocks: list[Block] = list(model.h)  # type: ignore[arg-type]
     for i, block in enumerate(blocks):
         attn, mlp = block.attn, block.mlp
-        norm(f"layers.{i}.ln1", block.ln_1)
+        norm(f"layers.{i}.ln1", cast(nn.LayerNorm, block.ln_1))
         linear(f"layers.{i}.attn", attn.c_attn)
         linear(f"layers.{i}.proj", attn.c_proj)
-        norm(f"layers.{i}.ln2", block.ln_2)
+        norm(f"layers.{i}.ln2", cast(nn.LayerNorm, block.ln_2))
         linear(f"layers.{i}.fc", mlp.c_fc)
         linear(f"layers.{i}.mproj", mlp.c_proj)
-    norm("lnf", model.ln_f)
+    norm("lnf", cast(nn.LayerNorm, model.ln_f))
     linear("head", model.lm_head)
     return w
 
