@@ -90,7 +90,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         try:  # every invalid combination, now rather than after the corpus is read
             GPTConfig(vocab_size=1, **model)
         except ValueError as e:
-            raise TrainInputError(str(e).replace("GPTConfig.", "--").replace("_", "-")) from None
+            raise TrainInputError(str(e)) from None
     if args.resume and (args.preset or any(getattr(args, n) for n in _MODEL_FLAGS[:4])):
         raise TrainInputError("--resume takes the model size from the checkpoint; drop the size flags")
     template = None

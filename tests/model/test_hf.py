@@ -169,7 +169,7 @@ BAD_HF_DIRS = {
     "no-tokenizer": (lambda d: (d / "tokenizer.json").unlink(),
                      "no tokenizer found (need tokenizer.json, or vocab.json and merges.txt)"),
     "pickle": (_pickle_only, "found pytorch_model.bin, which is never loaded"),
-    "not-gpt2": (lambda d: _edit_config(d, model_type="llama"), "model_type is 'llama'; only 'gpt2'"),
+    "not-gpt2": (lambda d: _edit_config(d, model_type="mistral"), "model_type is 'mistral'; 'gpt2' and 'llama'"),
     "activation": (lambda d: _edit_config(d, activation_function="relu"),
                    "activation_function='relu' is not supported"),
     "missing": (lambda d: _edit_weights(d, "transformer.h.1.mlp.c_fc.bias", None),

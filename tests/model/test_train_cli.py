@@ -127,3 +127,20 @@ def test_resuming_on_a_corpus_the_vocabulary_cannot_encode(
     code = main(["train", str(other), "--out", out, "--resume", "--max-iters", "6",
                  "--warmup-iters", "1", "--no-progress"])
     _check_one_error_line(code, capsys.readouterr().err, "other.txt: character '\u20ac' (U+20AC) at position")
+
+
+def test_training_a_llama_family_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from model.checkpoint import load_checkpoint
+
+    corpus = make_corpus(tmp_path / "c.txt", sentences=60)
+    out = tmp_path / "llama"
+    args = ["train", str(corpus), "--out", str(out), *TINY, "--n-head", "4", "--arch", "llama",
+            "--n-kv-head", "2", "--untied", "--rope-theta", "500"]
+    assert main(args) == 0, capsys.readouterr().err
+    config = load_checkpoint(out).config
+    assert (config.norm, config.mlp, config.positions) == ("rmsnorm", "swiglu", "rope")
+    assert (config.kv_heads, config.tie_embeddings, config.rope_theta, config.bias) == (2, False, 500.0, False)
+    bad = ["train", str(corpus), "--out", str(tmp_path / "bad"), *TINY, "--arch", "llama", "--n-kv-head", "3"]
+    assert main(bad) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["nanoserve train: error: GPTConfig.n_head (2) must be a multiple of n_kv_head (3)"]
