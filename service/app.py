@@ -88,7 +88,8 @@ class Lifecycle:
     """Readiness and draining, shared by the routes, the drain gate and `nanoserve serve`."""
 
     def __init__(self) -> None:
-        self.draining = False
+        self.draining = False  # no longer admitting: readiness and new requests answer 503
+        self.drain_started = False
 
     def is_draining(self) -> bool:
         return self.draining
@@ -97,8 +98,9 @@ class Lifecycle:
 async def drain(app: FastAPI, timeout_s: float) -> None:
     """Stop admitting (readiness 503, new requests 503), let in-flight requests finish, stop the engine."""
     lifecycle: Lifecycle = app.state.lifecycle
-    if lifecycle.draining:
+    if lifecycle.drain_started:
         return
+    lifecycle.drain_started = True
     lifecycle.draining = True
     engine: Engine | None = app.state.engine
     log.info("draining: waiting up to %.1fs for in-flight requests", timeout_s)

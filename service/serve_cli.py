@@ -179,6 +179,10 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
             return
         self._signalled = True
+        # Stop admitting now, not when the drain task first runs: a request read between the signal
+        # and that task (a few loop turns later) would otherwise still be admitted. Python runs
+        # signal handlers on the main thread, the event loop's, so this is no race with the routes.
+        self.app.state.lifecycle.draining = True
         log.info("received %s: draining (timeout %.1fs)", signal.Signals(sig).name, self.drain_timeout)
         self._loop.call_soon_threadsafe(self._start_drain)
 
