@@ -1,0 +1,182 @@
+"""The GPU check's plan and its driver: every step a process of its own, under one time budget.
+
+    python -m bench.gpu.check --out DIR [--dry-run] [--only probe,tests,...] [--plan]
+
+Steps, in order (each writes its JSON; the driver gathers them):
+  probe      the device, its software, measured copy bandwidth (bench/gpu/probe.py)
+  tests      the engine suites on the torch backend on the device (the "torch-cuda" parameter of
+             tests/service/engine) and the CUDA device-index check of tests/reliability
+  stream     greedy streams through a real uvicorn on the device against the reference
+  engine     this engine at batch 1 and 64 (bench/gpu/peers.py)
+  hf         Hugging Face generate, dynamic cache, same shapes
+  serving    HTTP against in-process at 1 and 64 streams (bench/gpu/http_vs_inprocess.py)
+  hf-static  generate with its static cache (compiled, CUDA graphs): last, as its compile is the
+             step most likely to run long; skipped when the budget is spent
+Then the targets (targets.py) are judged and results.json, summary.md and steps.log written to
+--out; the summary's table is printed last. A step that fails or runs past its time is recorded
+as such and the rest still run. `--dry-run` runs the same steps on the CPU at small shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.gpu.report import render
+from bench.gpu.targets import judge
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Plan:
+    device: str
+    shape: str
+    dtype: str
+    batches: tuple[int, int]  # (small, large)
+    new_tokens: int
+    streams: tuple[int, int]
+    requests_per_stream: int
+    repeats: int
+    test_paths: tuple[str, ...]
+    test_filter: str
+    min_tests: int  # passed tests below which the tests step failed (a filter that selected too few)
+    budget_s: float
+    steps: dict[str, tuple[list[str], float]] = field(default_factory=dict)  # name -> (argv, timeout)
+
+
+def make_plan(dry_run: bool, budget_s: float | None = None) -> Plan:
+    if dry_run:  # the CPU, small shapes: every step end to end in a few minutes
+        plan = Plan("cpu", "10.7M", "float32", (1, 4), 8, (1, 4), 2, 1,
+                    ("tests/service/engine/test_reference_parity.py",
+                     "tests/service/engine/test_sampling.py"),
+                    "torch and (greedy_matches_reference or seeded_sampling_same_alone)", 3, budget_s or 400)
+    else:
+        plan = Plan("cuda", "124M", "bfloat16", (1, 64), 128, (1, 64), 4, 2,
+                    ("tests/service/engine", "tests/reliability/test_startup_faults.py"),
+                    "torch-cuda or cuda_index", 50, budget_s or 400)
+    shape = ["--device", plan.device, "--shape", plan.shape, "--dtype", plan.dtype]
+    peer = [*shape, "--batches", ",".join(map(str, plan.batches)), "--new-tokens", str(plan.new_tokens),
+            "--repeats", str(plan.repeats)]
+    plan.steps = {
+        "probe": (["bench.gpu.probe", "--device", plan.device], 60),
+        "tests": (["pytest", "-q", "-p", "no:cacheprovider", "-rfE", *plan.test_paths,
+                   "-k", plan.test_filter], 200),
+        "stream": (["bench.gpu.stream_check", "--device", plan.device], 90),
+        "engine": (["bench.gpu.peers", "--peer", "engine", *peer], 120),
+        "hf": (["bench.gpu.peers", "--peer", "hf", *peer], 120),
+        "serving": (["bench.gpu.http_vs_inprocess", *shape, "--streams", ",".join(map(str, plan.streams)),
+                     "--requests-per-stream", str(plan.requests_per_stream)], 200),
+        "hf-static": (["bench.gpu.peers", "--peer", "hf-static", *peer], 180),
+    }
+    return plan
+
+
+def run_step(name: str, argv: list[str], timeout_s: float, scratch: Path, log: Path) -> dict[str, Any]:
+    """Run one step (`python -m argv...`) in its own process group, stopped after `timeout_s`."""
+    out = scratch / f"{name}.json"
+    extra = [f"--junitxml={out.with_suffix('.xml')}"] if argv[0] == "pytest" else ["--json", str(out)]
+    cmd = [sys.executable, "-m", *argv, *extra]
+    t0 = time.monotonic()
+    with log.open("a") as f:
+        f.write(f"\n===== {name}: {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the step and anything it started (a server)
+            proc.wait()
+            rc = None
+    step: dict[str, Any] = {"seconds": round(time.monotonic() - t0, 1), "rc": rc,
+                            "status": "timeout" if rc is None else "ok" if rc == 0 else "failed"}
+    if argv[0] == "pytest" and out.with_suffix(".xml").exists():
+        step["result"] = junit_counts(out.with_suffix(".xml"))
+    elif out.exists():
+        step["result"] = json.loads(out.read_text())
+    return step
+
+
+def junit_counts(path: Path) -> dict[str, int]:
+    suite = ET.parse(path).getroot()
+    suite = suite if suite.tag == "testsuite" else suite[0]
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return counts
+
+
+def run_plan(plan: Plan, only: list[str] | None, out_dir: Path) -> dict[str, Any]:
+    deadline = time.monotonic() + plan.budget_s
+    log = out_dir / "steps.log"
+    log.write_text("")
+    steps: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="nanoserve-gpu-check-") as tmp:
+        for name, (argv, timeout_s) in plan.steps.items():
+            if only and name not in only:
+                continue
+            left = deadline - time.monotonic() - 5  # the report's own few seconds
+            if left < min(30.0, timeout_s):
+                steps[name] = {"status": "skipped", "note": f"budget spent ({left:.0f} s left)"}
+            else:
+                steps[name] = run_step(name, argv, min(timeout_s, left), Path(tmp), log)
+            if name == "tests" and steps[name].get("result", {}).get("passed", 0) < plan.min_tests:
+                steps[name].update(status="failed", note=f"fewer than {plan.min_tests} tests passed")
+            print(f"[{name}] {steps[name]['status']} in {steps[name].get('seconds', 0)} s", flush=True)
+            if steps[name]["status"] in ("failed", "timeout"):
+                print(tail(log, 25), flush=True)
+    return steps
+
+
+def tail(path: Path, lines: int) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.check", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="folder for results.json, summary.md and steps.log")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="on the CPU at small shapes: tries the script, measures nothing of a GPU")
+    ap.add_argument("--only", help="comma-separated steps to run (a rerun of some)")
+    ap.add_argument("--budget-s", type=float, help="seconds for every step together (default 400)")
+    ap.add_argument("--plan", action="store_true", help="print the plan as JSON and exit")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    plan = make_plan(args.dry_run, args.budget_s)
+    only = args.only.split(",") if args.only else None
+    if only and (unknown := set(only) - set(plan.steps)):
+        raise SystemExit(f"--only: no step named {', '.join(sorted(unknown))}; "
+                         f"steps: {', '.join(plan.steps)}")
+    if args.plan:
+        print(json.dumps(plan.__dict__, indent=2))
+        return 0
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    steps = run_plan(plan, only, out_dir)
+    results = {name: s["result"] for name, s in steps.items() if "result" in s}
+    verdicts = judge(results, plan.batches[0], plan.batches[1], plan.streams[1])
+    payload = {"meta": {"utc": started, "dry_run": args.dry_run, "plan": plan.__dict__},
+               "steps": steps, "targets": [v.to_dict() for v in verdicts]}
+    (out_dir / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
+    summary, table = render(payload)
+    (out_dir / "summary.md").write_text(summary)
+    print("\n" + table, flush=True)
+    broken = [n for n, s in steps.items() if s["status"] != "ok"]
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
