@@ -64,7 +64,7 @@ def make_plan(dry_run: bool, budget_s: float | None = None) -> Plan:
     else:
         plan = Plan("cuda", "124M", "bfloat16", (1, 64), 128, (1, 64), 4, 2,
                     ("tests/service/engine", "tests/reliability/test_startup_faults.py"),
-                    "torch-cuda or cuda_index", 50, budget_s or 400)
+                    "torch-cuda or cuda_index", 40, budget_s or 400)
     shape = ["--device", plan.device, "--shape", plan.shape, "--dtype", plan.dtype]
     peer = [*shape, "--batches", ",".join(map(str, plan.batches)), "--new-tokens", str(plan.new_tokens),
             "--repeats", str(plan.repeats)]

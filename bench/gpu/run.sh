@@ -21,6 +21,9 @@ case " $* " in
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl || exit 2
     export PYTHONPATH="/tmp/site:$PYTHONPATH"
+    # A carried package whose requirement the image's version misses (say pytest-asyncio's pytest) is
+    # named here, before a step fails on it; the image's own unrelated conflicts are left out.
+    "$PY" -m pip check 2>&1 | grep -iE "$(sed -n 's/==.*//p' bench/gpu/wheels.txt | paste -sd'|')" || true
     ;;
 esac
 # The driver keeps its own budget; this is only a backstop should it hang itself.
