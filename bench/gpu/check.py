@@ -14,7 +14,8 @@ Steps, in order (each writes its JSON; the driver gathers them):
              step most likely to run long; skipped when the budget is spent
 Then the targets (targets.py) are judged and results.json, summary.md and steps.log written to
 --out; the summary's table is printed last. A step that fails or runs past its time is recorded
-as such and the rest still run. `--dry-run` runs the same steps on the CPU at small shapes.
+as such and the rest still run. `--dry-run` runs the same steps on the CPU at small shapes;
+`--merge` judges a run and its rerun (`--only`) together.
 """
 
 from __future__ import annotations
@@ -141,6 +142,37 @@ def tail(path: Path, lines: int) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def merge(paths: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The meta and steps of several runs' results.json, later runs' steps replacing earlier ones
+    where they have a result (a rerun of the steps that did not finish). Runs on different devices
+    are refused: their timings are not compared."""
+    payloads = [json.loads(Path(p).read_text()) for p in paths]
+    probes = [p["steps"].get("probe", {}).get("result") or {} for p in payloads]
+    names = {str(probe["name"]) for probe in probes if probe.get("name")}
+    if len(names) > 1:
+        raise SystemExit(f"--merge: runs on different devices ({', '.join(sorted(names))}) are not compared")
+    steps: dict[str, Any] = {}
+    for payload in payloads:
+        for name, step in payload["steps"].items():
+            if "result" in step or "result" not in steps.get(name, {}):
+                steps[name] = step
+    meta = {**payloads[-1]["meta"], "merged_from": [p["meta"]["utc"] for p in payloads]}
+    return meta, steps
+
+
+def finish(meta: dict[str, Any], steps: dict[str, Any], out_dir: Path) -> int:
+    """Judge the targets, write results.json and summary.md, print the short table last."""
+    plan = meta["plan"]
+    results = {name: s["result"] for name, s in steps.items() if "result" in s}
+    verdicts = judge(results, plan["batches"][0], plan["batches"][1], plan["streams"][1])
+    payload = {"meta": meta, "steps": steps, "targets": [v.to_dict() for v in verdicts]}
+    (out_dir / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
+    summary, table = render(payload)
+    (out_dir / "summary.md").write_text(summary)
+    print("\n" + table, flush=True)
+    return 1 if any(s["status"] != "ok" for s in steps.values()) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu.check", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="folder for results.json, summary.md and steps.log")
@@ -149,11 +181,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--only", help="comma-separated steps to run (a rerun of some)")
     ap.add_argument("--budget-s", type=float, help="seconds for every step together (default 400)")
     ap.add_argument("--plan", action="store_true", help="print the plan as JSON and exit")
+    ap.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
+                    help="run nothing: judge and write these runs' steps together (a run and its rerun)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    out_dir = Path(args.out)
+    if args.merge:
+        meta, steps = merge(args.merge)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return finish(meta, steps, out_dir)
     plan = make_plan(args.dry_run, args.budget_s)
     only = args.only.split(",") if args.only else None
     if only and (unknown := set(only) - set(plan.steps)):
@@ -162,20 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         print(json.dumps(plan.__dict__, indent=2))
         return 0
-    out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    steps = run_plan(plan, only, out_dir)
-    results = {name: s["result"] for name, s in steps.items() if "result" in s}
-    verdicts = judge(results, plan.batches[0], plan.batches[1], plan.streams[1])
-    payload = {"meta": {"utc": started, "dry_run": args.dry_run, "plan": plan.__dict__},
-               "steps": steps, "targets": [v.to_dict() for v in verdicts]}
-    (out_dir / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
-    summary, table = render(payload)
-    (out_dir / "summary.md").write_text(summary)
-    print("\n" + table, flush=True)
-    broken = [n for n, s in steps.items() if s["status"] != "ok"]
-    return 1 if broken else 0
+    meta = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "dry_run": args.dry_run,
+            "plan": plan.__dict__}
+    return finish(meta, run_plan(plan, only, out_dir), out_dir)
 
 
 if __name__ == "__main__":

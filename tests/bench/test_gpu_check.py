@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from bench.gpu.check import make_plan
+from bench.gpu.check import main, make_plan
 from bench.gpu.report import render
 from bench.gpu.targets import judge
 from bench.gpu.wheels import problems
@@ -110,6 +110,32 @@ def test_the_report_says_a_dry_run_is_one_and_tables_every_target() -> None:
     assert summary.startswith("**DRY RUN on the CPU (no GPU result)**")
     assert "| hf-static | skipped | - | budget spent (3 s left) |" in table
     assert table.count("| DRY RUN |") == 4
+
+
+def _payload(utc: str, gpu: str, steps: dict[str, Any]) -> dict[str, Any]:
+    probe = {"status": "ok", "result": {"device": "cuda", "name": gpu, "copy_bandwidth_GBps": 3000.0}}
+    return {"meta": {"utc": utc, "dry_run": False, "plan": make_plan(False).__dict__},
+            "steps": {"probe": probe, **steps}, "targets": []}
+
+
+def test_a_rerun_merges_with_its_run_and_runs_on_two_gpus_do_not(tmp_path: Path) -> None:
+    first = _payload("t1", "NVIDIA H100", {"engine": {"status": "ok", "result": _results()["engine"]},
+                                            "hf-static": {"status": "timeout", "rc": None}})
+    rerun = _payload("t2", "NVIDIA H100", {"engine": {"status": "skipped"},
+                                            "hf-static": {"status": "ok", "result": _results()["hf-static"]}})
+    paths = []
+    for name, payload in (("a.json", first), ("b.json", rerun)):
+        (tmp_path / name).write_text(json.dumps(payload))
+        paths.append(str(tmp_path / name))
+    assert main(["--merge", *paths, "--out", str(tmp_path / "out")]) == 0
+    merged = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert merged["meta"]["merged_from"] == ["t1", "t2"]
+    assert merged["steps"]["engine"]["status"] == "ok" and merged["steps"]["hf-static"]["status"] == "ok"
+    big = merged["targets"][0]  # engine 9000 against generate (static cache) 1500 at batch 64
+    assert big["ratio"] == 6.0 and big["status"] == "PASS"
+    (tmp_path / "c.json").write_text(json.dumps(_payload("t3", "NVIDIA H200", {})))
+    with pytest.raises(SystemExit, match="different devices"):
+        main(["--merge", paths[0], str(tmp_path / "c.json"), "--out", str(tmp_path / "out")])
 
 
 @pytest.mark.slow
