@@ -123,7 +123,7 @@ def run_plan(plan: Plan, only: list[str] | None, out_dir: Path) -> dict[str, Any
     steps: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="nanoserve-gpu-check-") as tmp:
         for name, (argv, timeout_s) in plan.steps.items():
-            if only and name not in only:
+            if only and name not in only and name != "probe":  # a rerun names its device too
                 continue
             left = deadline - time.monotonic() - 5  # the report's own few seconds
             if left < min(30.0, timeout_s):
@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, help="folder for results.json, summary.md and steps.log")
     ap.add_argument("--dry-run", action="store_true",
                     help="on the CPU at small shapes: tries the script, measures nothing of a GPU")
-    ap.add_argument("--only", help="comma-separated steps to run (a rerun of some)")
+    ap.add_argument("--only", help="comma-separated steps to run (a rerun of some); probe always runs")
     ap.add_argument("--budget-s", type=float, help="seconds for every step together (default 400)")
     ap.add_argument("--plan", action="store_true", help="print the plan as JSON and exit")
     ap.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",

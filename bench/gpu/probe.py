@@ -50,7 +50,7 @@ def nvidia_smi() -> str | None:
     """The driver's one-line description of each GPU, or None without nvidia-smi."""
     try:
         done = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem",
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
              "--format=csv,noheader"], capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
