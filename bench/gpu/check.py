@@ -71,8 +71,10 @@ def make_plan(dry_run: bool, budget_s: float | None = None) -> Plan:
             "--repeats", str(plan.repeats)]
     plan.steps = {
         "probe": (["bench.gpu.probe", "--device", plan.device], 60),
-        "tests": (["pytest", "-q", "-p", "no:cacheprovider", "-rfE", *plan.test_paths,
-                   "-k", plan.test_filter], 200),
+        # Only the plugins the suites use (run_step turns autoloading off): the GPU image's own
+        # (xdist, cov, benchmark, hypothesis, ...) stay out of the tests' way.
+        "tests": (["pytest", "-q", "-p", "no:cacheprovider", "-p", "pytest_asyncio.plugin",
+                   "-p", "pytest_timeout", "-rfE", *plan.test_paths, "-k", plan.test_filter], 200),
         "stream": (["bench.gpu.stream_check", "--device", plan.device], 90),
         "engine": (["bench.gpu.peers", "--peer", "engine", *peer], 120),
         "hf": (["bench.gpu.peers", "--peer", "hf", *peer], 120),
@@ -92,7 +94,9 @@ def run_step(name: str, argv: list[str], timeout_s: float, scratch: Path, log: P
     with log.open("a") as f:
         f.write(f"\n===== {name}: {' '.join(cmd)}\n")
         f.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, **({"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"} if argv[0] == "pytest" else {})}
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
             rc: int | None = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
