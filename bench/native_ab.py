@@ -3,7 +3,7 @@
     python -m bench.native_ab --base 8c7ce8a [--head WORKTREE] [--shape 10.7M] [--dtype bfloat16]
                               [--rows 1,8,32,64,32x16] [--position 40] [--rounds 8] [--steps 40]
 
-Builds service/engine/native/decode.c (with the headers beside it) at two git revisions (--head
+Builds service/engine/native/ (decode.c with its fragments, abi.c) at two git revisions (--head
 WORKTREE: the files as they are on disk) with gcc -O3, loads each into its own NativeStep over the
 same random weights and the same KV cache contents, checks that both give the same logits (the
 native step's changes are meant to keep every bit), then times them in turns: each round runs
@@ -49,17 +49,18 @@ def build(revision: str, out: Path) -> Path:
     src = Path(tempfile.mkdtemp(prefix=f"src-{revision}-", dir=out))  # a revision may come twice
     if revision == "WORKTREE":
         for f in (REPO / NATIVE).iterdir():
-            if f.suffix in (".c", ".h"):
+            if f.suffix in (".c", ".h", ".inc"):
                 (src / f.name).write_bytes(f.read_bytes())
     else:
         names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{NATIVE}"], cwd=REPO,
                                check=True, capture_output=True, text=True).stdout.split()
-        for name in (n for n in names if n.endswith((".c", ".h"))):
+        for name in (n for n in names if n.endswith((".c", ".h", ".inc"))):
             blob = subprocess.run(["git", "show", f"{revision}:{NATIVE}/{name}"], cwd=REPO, check=True,
                                   capture_output=True).stdout
             (src / name).write_bytes(blob)
     lib = src / f"{revision}.so"
-    cc = ["gcc", "-O3", "-std=c11", "-fPIC", "-shared", str(src / "decode.c"), "-o", str(lib), "-lm"]
+    sources = sorted(str(c) for c in src.glob("*.c"))  # decode.c, and abi.c where the revision has it
+    cc = ["gcc", "-O3", "-std=c11", "-fPIC", "-shared", *sources, "-o", str(lib), "-lm"]
     subprocess.run(cc, check=True)
     return lib
 

@@ -14,7 +14,7 @@ Variants, alternating, median of `--steps` calls per round, best round kept:
   - HF: `transformers` processors and warpers (RepetitionPenaltyLogitsProcessor, then
     TemperatureLogitsWarper, TopK/TopP/MinP/TypicalLogitsWarper), softmax and
     `torch.multinomial`, as `generate(do_sample=True)` samples;
-  - native: the engine's native sampler (service/engine/native/sampler.h), which the runner uses
+  - native: the engine's native sampler (service/engine/native/sampler.inc), which the runner uses
     for every sampled row on CPU (so it is what the engine runs); its picks are compared with the
     whole vocabulary's and the differences counted.
 Settings include typical_p (every token, always) and a repetition penalty over 256 random tokens
@@ -113,7 +113,7 @@ def hf_sampler(params: dict[str, float], context: torch.Tensor) -> Callable[[tor
 
 
 def native_sampler() -> Callable[[torch.Tensor, SamplingBatch, torch.Tensor], torch.Tensor] | None:
-    """The engine's native sampler (service/engine/native/sampler.h) as the runner calls it, or
+    """The engine's native sampler (service/engine/native/sampler.inc) as the runner calls it, or
     None where the library is not built."""
     from model.config import GPTConfig
     from model.gpt import GPT

@@ -1,7 +1,7 @@
 """The checkpoint format: a directory that describes itself, and nothing in it is ever unpickled.
 
     config.json        format version, model config, tokenizer kind, chat template, provenance
-    model.safetensors  the weights (names as in `GPT.state_dict()`, the tied lm_head left out)
+    model.safetensors  the weights (names as in `GPT.state_dict()`, a tied lm_head left out)
     tokenizer.json     see model/tokenizer.py
     README.md          the model card
 
@@ -79,7 +79,8 @@ class Checkpoint:
         with torch.device("meta"):
             model = GPT(self.config, init_weights=False)
         model.load_state_dict(self.state_dict, strict=False, assign=True)
-        model.lm_head.weight = model.wte.weight  # re-tie after `assign` replaced wte.weight
+        if self.config.tie_embeddings:
+            model.lm_head.weight = model.wte.weight  # re-tie after `assign` replaced wte.weight
         # Buffers-free model: every parameter came from the file, so nothing stays on "meta".
         # Converted one tensor at a time, each one's file pages handed back once it is copied: a
         # whole-model .to() held the mapped file and every converted copy at once.
@@ -96,8 +97,9 @@ def expected_tensors(config: GPTConfig) -> dict[str, tuple[tuple[int, ...], None
     """Names and shapes the file must contain for `config`, computed without allocating weights."""
     with torch.device("meta"):
         model = GPT(config, init_weights=False)
+    tied = TIED if config.tie_embeddings else ()
     return {
-        name: (tuple(t.shape), None) for name, t in model.state_dict().items() if name not in TIED
+        name: (tuple(t.shape), None) for name, t in model.state_dict().items() if name not in tied
     }
 
 
@@ -105,8 +107,9 @@ def state_dict_for_saving(model: GPT) -> dict[str, torch.Tensor]:
     # Unwrap torch.compile / DDP so names are the plain module's.
     raw = getattr(model, "_orig_mod", model)
     raw = getattr(raw, "module", raw)
+    tied = TIED if raw.config.tie_embeddings else ()
     return {
-        k: v.detach().contiguous().cpu() for k, v in raw.state_dict().items() if k not in TIED
+        k: v.detach().contiguous().cpu() for k, v in raw.state_dict().items() if k not in tied
     }
 
 

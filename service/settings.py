@@ -103,6 +103,27 @@ class Settings(BaseSettings):
     )
     max_headers: int = Field(default=100, ge=8, description="Requests with more headers get 431.")
 
+    # Connections.
+    max_connections: int = Field(
+        default=1024, ge=1, le=1_000_000,
+        description="Open client connections beyond which a new one gets 503 and is closed (lowered "
+        "at start-up to fit the open-file limit).",
+    )
+    max_connections_per_client: int = Field(
+        default=0, ge=0, le=1_000_000,
+        description="Open connections one client address may hold (0: no limit per address); "
+        "beyond it a new one gets 503. Leave 0 behind a proxy: there every client has the proxy's address.",
+    )
+    header_timeout: float = Field(
+        default=10.0, gt=0, le=3600, allow_inf_nan=False,
+        description="Seconds a request's line and headers may take, from the connection's start or "
+        "the request's first byte; then 408 (or a close when nothing came) and the connection closed.",
+    )
+    idle_timeout: float = Field(
+        default=5.0, gt=0, le=3600, allow_inf_nan=False,
+        description="Seconds a kept-alive connection may wait for its next request before it is closed.",
+    )
+
     # Security.
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="Accepted bearer keys, comma-separated; empty = no auth."

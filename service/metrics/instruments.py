@@ -44,6 +44,21 @@ class Instruments:
             "End-to-end request duration from HTTP arrival to the last byte sent, by route.",
             ("route",),
         )
+        # Connections (service/connection_guard.py, updated by the server's protocol).
+        self.connection_limit_hits = counter(
+            "nanoserve_connection_limit_hits_total",
+            "Connections refused or closed by a connection limit, by limit (docs/limits.md).",
+            ("limit",),
+        )
+        self.connections_open = Gauge(
+            "nanoserve_connections_open", "Client connections open now (refused ones not counted).",
+            registry=registry,
+        )
+        self.connections_capacity = Gauge(
+            "nanoserve_connections_capacity",
+            "Connections beyond which new ones get 503 (max_connections, lowered to fit the file limit).",
+            registry=registry,
+        )
         # Generation requests (service/metrics/stream.py).
         self.finished = counter(
             "nanoserve_requests_finished_total",

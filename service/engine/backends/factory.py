@@ -37,9 +37,14 @@ def choose_backend(model: GPT, config: EngineConfig, window: int, cpu_threads: i
     config.max_seqs slots x `window` tokens, and a sentence saying why it was chosen."""
     check_backend(config)
     cfg = model.config
-    cache = SpanKVCache(cfg.n_layer, config.max_seqs, cfg.n_head, window, cfg.head_dim, config.torch_kv_dtype,
-                        model.wte.weight.device)
+    # The cache holds the key/value heads (fewer than the query heads under grouped-query attention).
+    cache = SpanKVCache(cfg.n_layer, config.max_seqs, cfg.kv_heads, window, cfg.head_dim,
+                        config.torch_kv_dtype, model.wte.weight.device)
     why_not_native = native_unavailable(config)
+    if why_not_native is None and cfg.family != "gpt2":
+        why_not_native = "its kernels cover the GPT-2 family only (this model is of the Llama family)"
+    if config.backend == "native" and why_not_native:
+        raise ValueError(f"backend native cannot run here: {why_not_native}")
     if config.backend == "torch":
         why = "asked for (backend torch)"
     elif why_not_native is None:

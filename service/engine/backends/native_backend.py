@@ -1,5 +1,5 @@
 """The native CPU backend: every forward is one call of the C step (native_step.py), and every
-row that draws is drawn by its C sampler (native/sampler.h)."""
+row that draws is drawn by its C sampler (native/sampler.inc)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,8 @@ class TorchBackend(Backend):
         # compiled: then the compiled graph runs every step. Shapes vary with batch size, chunk
         # length and attention span, so it compiles dynamically; the first forward of each shape
         # family compiles (minutes on 2 CPU cores), which the engine's warm-up pays.
-        self.decode_step: TorchDecodeStep | None = None if compile else TorchDecodeStep(model, cache)
+        straight = not compile and model.config.family == "gpt2"  # the decode step is GPT-2's
+        self.decode_step: TorchDecodeStep | None = TorchDecodeStep(model, cache) if straight else None
         if compile:
             self.model = torch.compile(model, dynamic=True)  # type: ignore[assignment]
 

@@ -1,4 +1,4 @@
-"""native/sampler.h draws what model/sampling.py's whole-vocabulary path draws (penalties,
+"""native/sampler.inc draws what model/sampling.py's whole-vocabulary path draws (penalties,
 temperature, top_k, top_p, min_p, typical_p, inverse-CDF sampling), and the runner hands it
 exactly the rows it can take."""
 
@@ -166,7 +166,7 @@ def test_the_native_sampler_follows_the_distribution(native: NativeStep) -> None
 
 
 def typical_reference(x: torch.Tensor, t: float, mass: float) -> tuple[np.ndarray, np.ndarray, float]:
-    """typical_p in float64 (what native/sampler.h computes, up to its float32 exp): each token's
+    """typical_p in float64 (what native/sampler.inc computes, up to its float32 exp): each token's
     probability and distance |log p + H| at temperature t, and the distance at the cut."""
     z = x.double().numpy() / t
     logp = z - z.max() - np.log(np.exp(z - z.max()).sum())

@@ -213,7 +213,7 @@ def test_rows_in_several_blocks_get_their_bits_alone_on_wide_layers(
 ) -> None:
     # Wide enough that a thread's chunk of a layer holds two panel pairs or more, and more rows
     # than one kernel block (12 rows): on AVX-512 the kernels of every block then also prefetch
-    # the next pair (matmul.h AHEAD_LOOP, in PANEL512 and tiles.h PANELDP), a second loop of each
+    # the next pair (matmul.inc AHEAD_LOOP, in PANEL512 and tiles.inc PANELDP), a second loop of each
     # kernel that must give the same bits as the plain loop a lone row runs.
     wide = GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=4, n_embd=256)
     dtype = torch.float32 if kernels == "float32" else torch.bfloat16
@@ -531,7 +531,7 @@ def test_on_a_tile_level_the_weights_are_held_once_with_the_same_logits(shape: s
     if keep.isa not in TILE_ISAS:
         pytest.skip(f"no AVX512-BF16 nor AMX here (the native step runs {keep.isa}): nothing is dropped")
     once = NativeStep(model, _prefilled(model, 3, lengths, torch.bfloat16), max_threads=2, hold_once=True)
-    dropped = sum(t is None for t in once._tensors) - sum(t is None for t in keep._tensors)
+    dropped = sum(t is None for t in once._tensors.values()) - sum(t is None for t in keep._tensors.values())
     assert dropped == 4 * model.config.n_layer + 1
     assert once.isa == keep.isa
     assert once.use_isa("avx512") == "avx512bf16"  # nothing left for the lower levels to read
