@@ -10,6 +10,7 @@ Steps, in order (each writes its JSON; the driver gathers them):
   engine     this engine at batch 1 and 64 (bench/gpu/peers.py)
   hf         Hugging Face generate, dynamic cache, same shapes
   serving    HTTP against in-process at 1 and 64 streams (bench/gpu/http_vs_inprocess.py)
+  engine-135M, hf-135M   the engine and generate at the SmolLM2-135M shape (the Llama family)
   hf-static  generate with its static cache (compiled, CUDA graphs): last, as its compile is the
              step most likely to run long; skipped when the budget is spent
 Then the targets (targets.py) are judged and results.json, summary.md and steps.log written to
@@ -42,7 +43,8 @@ REPO = Path(__file__).resolve().parents[2]
 @dataclass
 class Plan:
     device: str
-    shape: str
+    shape: str  # the targets' shape
+    more_shapes: tuple[str, ...]  # engine and generate (dynamic cache) also measured at these
     dtype: str
     batches: tuple[int, int]  # (small, large)
     new_tokens: int
@@ -58,17 +60,22 @@ class Plan:
 
 def make_plan(dry_run: bool, budget_s: float | None = None) -> Plan:
     if dry_run:  # the CPU, small shapes: every step end to end in a few minutes
-        plan = Plan("cpu", "10.7M", "float32", (1, 4), 8, (1, 4), 2, 1,
+        plan = Plan("cpu", "10.7M", ("135M",), "float32", (1, 4), 8, (1, 4), 2, 1,
                     ("tests/service/engine/test_reference_parity.py",
                      "tests/service/engine/test_sampling.py"),
-                    "torch and (greedy_matches_reference or seeded_sampling_same_alone)", 3, budget_s or 400)
+                    "torch and (greedy_matches_reference or seeded_sampling_same_alone)", 3, budget_s or 420)
     else:
-        plan = Plan("cuda", "124M", "bfloat16", (1, 64), 128, (1, 64), 4, 2,
+        plan = Plan("cuda", "124M", ("135M",), "bfloat16", (1, 64), 128, (1, 64), 4, 2,
                     ("tests/service/engine", "tests/reliability/test_startup_faults.py"),
-                    "torch-cuda or cuda_index", 40, budget_s or 400)
-    shape = ["--device", plan.device, "--shape", plan.shape, "--dtype", plan.dtype]
-    peer = [*shape, "--batches", ",".join(map(str, plan.batches)), "--new-tokens", str(plan.new_tokens),
-            "--repeats", str(plan.repeats)]
+                    "torch-cuda or cuda_index", 40, budget_s or 420)
+
+    def on(shape: str) -> list[str]:
+        return ["--device", plan.device, "--shape", shape, "--dtype", plan.dtype]
+
+    def peer(name: str, shape: str) -> list[str]:
+        return ["bench.gpu.peers", "--peer", name, *on(shape), "--batches", ",".join(map(str, plan.batches)),
+                "--new-tokens", str(plan.new_tokens), "--repeats", str(plan.repeats)]
+
     plan.steps = {
         "probe": (["bench.gpu.probe", "--device", plan.device], 60),
         # Only the plugins the suites use (run_step turns autoloading off): the GPU image's own
@@ -76,12 +83,16 @@ def make_plan(dry_run: bool, budget_s: float | None = None) -> Plan:
         "tests": (["pytest", "-q", "-p", "no:cacheprovider", "-p", "pytest_asyncio.plugin",
                    "-p", "pytest_timeout", "-rfE", *plan.test_paths, "-k", plan.test_filter], 200),
         "stream": (["bench.gpu.stream_check", "--device", plan.device], 90),
-        "engine": (["bench.gpu.peers", "--peer", "engine", *peer], 120),
-        "hf": (["bench.gpu.peers", "--peer", "hf", *peer], 120),
-        "serving": (["bench.gpu.http_vs_inprocess", *shape, "--streams", ",".join(map(str, plan.streams)),
+        "engine": (peer("engine", plan.shape), 120),
+        "hf": (peer("hf", plan.shape), 120),
+        "serving": (["bench.gpu.http_vs_inprocess", *on(plan.shape),
+                     "--streams", ",".join(map(str, plan.streams)),
                      "--requests-per-stream", str(plan.requests_per_stream)], 200),
-        "hf-static": (["bench.gpu.peers", "--peer", "hf-static", *peer], 180),
     }
+    for shape in plan.more_shapes:
+        plan.steps[f"engine-{shape}"] = (peer("engine", shape), 90)
+        plan.steps[f"hf-{shape}"] = (peer("hf", shape), 90)
+    plan.steps["hf-static"] = (peer("hf-static", plan.shape), 180)
     return plan
 
 
@@ -168,7 +179,8 @@ def finish(meta: dict[str, Any], steps: dict[str, Any], out_dir: Path) -> int:
     """Judge the targets, write results.json and summary.md, print the short table last."""
     plan = meta["plan"]
     results = {name: s["result"] for name, s in steps.items() if "result" in s}
-    verdicts = judge(results, plan["batches"][0], plan["batches"][1], plan["streams"][1])
+    verdicts = judge(results, plan["batches"][0], plan["batches"][1], plan["streams"][1],
+                     tuple(plan.get("more_shapes", ())))
     payload = {"meta": meta, "steps": steps, "targets": [v.to_dict() for v in verdicts]}
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
     summary, table = render(payload)
@@ -183,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dry-run", action="store_true",
                     help="on the CPU at small shapes: tries the script, measures nothing of a GPU")
     ap.add_argument("--only", help="comma-separated steps to run (a rerun of some); probe always runs")
-    ap.add_argument("--budget-s", type=float, help="seconds for every step together (default 400)")
+    ap.add_argument("--budget-s", type=float, help="seconds for every step together (default 420)")
     ap.add_argument("--plan", action="store_true", help="print the plan as JSON and exit")
     ap.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
                     help="run nothing: judge and write these runs' steps together (a run and its rerun)")

@@ -19,8 +19,8 @@ def _header(payload: dict[str, Any]) -> str:
             f"torch {machine.get('torch', '?')}, CUDA {probe.get('cuda')}, "
             f"{machine.get('cores', '?')} CPU cores; "
             f"copy bandwidth {_fmt(probe.get('copy_bandwidth_GBps'))} GB/s (read + written); "
-            f"{payload['meta']['utc']}. Model: random weights of the {plan['shape']} shape in "
-            f"{plan['dtype']}, "
+            f"{payload['meta']['utc']}. Models: random weights of the "
+            f"{' and '.join([plan['shape'], *plan.get('more_shapes', ())])} shapes in {plan['dtype']}, "
             f"{plan['new_tokens']} new tokens per sequence after 16-token prompts, greedy.\n")
 
 
@@ -38,20 +38,26 @@ def _steps(payload: dict[str, Any]) -> str:
     return "| step | status | seconds | note |\n|---|---|---|---|\n" + "\n".join(rows) + "\n"
 
 
+def _cell(peer: dict[str, Any], batch: int, key: str, spec: str = ".0f") -> str:
+    run = next((r for r in peer.get("runs", []) if r["batch"] == batch), None)
+    return _fmt(run[key] if run else None, spec)
+
+
 def _engine(payload: dict[str, Any]) -> str:
-    res = {n: (payload["steps"].get(n, {}).get("result") or {}) for n in ("engine", "hf", "hf-static")}
-    batches = sorted({r["batch"] for peer in res.values() for r in peer.get("runs", [])})
-    if not batches:
+    plan = payload["meta"]["plan"]
+    rows = []
+    for shape, suffix in [(plan["shape"], ""), *((s, f"-{s}") for s in plan.get("more_shapes", ()))]:
+        engine, hf, static = (payload["steps"].get(f"{peer}{suffix}", {}).get("result") or {}
+                              for peer in ("engine", "hf", "hf-static"))
+        for b in sorted({r["batch"] for peer in (engine, hf, static) for r in peer.get("runs", [])}):
+            rows.append(f"| {shape} | {b} | {_cell(engine, b, 'tokens_per_s')} | "
+                        f"{_cell(engine, b, 'decode_step_ms', '.2f')} | {_cell(hf, b, 'tokens_per_s')} | "
+                        f"{_cell(static, b, 'tokens_per_s')} |")
+    if not rows:
         return ""
-
-    def cell(peer: str, batch: int, key: str, spec: str = ".0f") -> str:
-        run = next((r for r in res[peer].get("runs", []) if r["batch"] == batch), None)
-        return _fmt(run[key] if run else None, spec)
-
-    rows = [f"| {b} | {cell('engine', b, 'tokens_per_s')} | {cell('engine', b, 'decode_step_ms', '.2f')} | "
-            f"{cell('hf', b, 'tokens_per_s')} | {cell('hf-static', b, 'tokens_per_s')} |" for b in batches]
-    return ("| batch | engine tok/s | engine decode step ms | HF generate tok/s | HF generate, static cache "
-            "tok/s |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    head = ("| shape | batch | engine tok/s | engine decode step ms | HF generate tok/s "
+            "| HF generate, static cache tok/s |\n|---|---|---|---|---|---|\n")
+    return head + "\n".join(rows) + "\n"
 
 
 def _serving(payload: dict[str, Any]) -> str:

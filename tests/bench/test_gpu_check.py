@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("dry_run", [False, True])
 def test_every_step_of_the_plan_parses_with_its_modules_parser(dry_run: bool) -> None:
     plan = make_plan(dry_run)
-    assert list(plan.steps) == ["probe", "tests", "stream", "engine", "hf", "serving", "hf-static"]
+    assert list(plan.steps) == ["probe", "tests", "stream", "engine", "hf", "serving",
+                                "engine-135M", "hf-135M", "hf-static"]
     for name, (argv, timeout_s) in plan.steps.items():
         assert 0 < timeout_s <= plan.budget_s, name
         if argv[0] == "pytest":
@@ -41,6 +42,7 @@ def test_the_gpu_plan_measures_what_the_targets_name() -> None:
     plan = make_plan(dry_run=False)
     assert (plan.device, plan.shape, plan.dtype) == ("cuda", "124M", "bfloat16")
     assert plan.batches == (1, 64) and plan.streams == (1, 64)
+    assert plan.more_shapes == ("135M",)  # SmolLM2-135M's shape, the Llama family
     assert "torch-cuda" in plan.test_filter
     assert plan.budget_s + 60 <= 480  # the driver and the wheel install inside one 8-minute call
 
@@ -91,6 +93,16 @@ def test_each_target_against_hf_at_its_fastest_cache_and_the_bound() -> None:
     hbm = v["batch 1: engine / HBM bound"]  # 500 tok/s decoding against 3000e9 / 250e6 = 12000
     assert hbm.ratio == pytest.approx(500 / 12000) and hbm.status == "FAIL"
     assert v["64 streams: HTTP / in-process"].status == "PASS"
+
+
+def test_a_further_shape_is_judged_on_its_own_steps() -> None:
+    results = {**_results(), "engine-135M": _peer({1: (300.0, 3.0), 64: (6000.0, 10.0)}),
+               "hf-135M": _peer({1: (100.0, 10.0), 64: (3000.0, 20.0)})}
+    v = {x.target: x for x in judge(results, 1, 64, 64, ("135M",))}
+    big = v["135M batch 64: engine / HF generate"]
+    assert (big.ratio, big.status) == (2.0, "FAIL")
+    assert v["135M batch 1: engine / HF generate"].ratio == 3.0  # against hf-135M, not the 124M peers
+    assert len(v) == 7
 
 
 def test_nothing_unmeasured_passes_and_nothing_off_a_gpu_is_a_gpu_result() -> None:
