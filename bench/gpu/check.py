@@ -145,8 +145,8 @@ def run_plan(plan: Plan, only: list[str] | None, out_dir: Path) -> dict[str, Any
                 steps[name] = {"status": "skipped", "note": f"budget spent ({left:.0f} s left)"}
             else:
                 steps[name] = run_step(name, argv, min(timeout_s, left), Path(tmp), log)
-            if name == "tests" and steps[name].get("result", {}).get("passed", 0) < plan.min_tests:
-                steps[name].update(status="failed", note=f"fewer than {plan.min_tests} tests passed")
+                if name == "tests" and steps[name].get("result", {}).get("passed", 0) < plan.min_tests:
+                    steps[name].update(status="failed", note=f"fewer than {plan.min_tests} tests passed")
             print(f"[{name}] {steps[name]['status']} in {steps[name].get('seconds', 0)} s", flush=True)
             if steps[name]["status"] in ("failed", "timeout"):
                 print(tail(log, 25), flush=True)
