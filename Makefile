@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # The CPU build of torch first: an unpinned torch could resolve to a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install serve test lint cwarnings sanitize bench clean
+.PHONY: install serve test lint cwarnings sanitize bench gpu-wheels gpu-dry-run clean
 
 # The native step's sources, its header and the fragments decode.c includes: `pip install -e .`
 # compiles them, so a change to them reinstalls.
@@ -51,6 +51,15 @@ sanitize: install
 
 bench: install
 	$(PY) -m bench.engine_throughput
+
+# The GPU check (bench/gpu/README.md): the wheels the GPU machine lacks, fetched into .whl/ and
+# checked against every requirement, and the check's dry run on this CPU.
+gpu-wheels: install
+	bench/gpu/fetch_wheels.sh $(PY)
+	$(PY) -m bench.gpu.wheels
+
+gpu-dry-run: install
+	PYTHON=$(PY) bench/gpu/run.sh --dry-run
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

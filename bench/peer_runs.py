@@ -101,13 +101,14 @@ def bench_naive(model: GPT, conc: int, prompts: list[list[int]], new: int) -> Ru
 
 # ------------------------------------------------------------------------------------- HF
 def hf_model(ckpt: Checkpoint) -> Any:
-    from transformers import GPT2LMHeadModel
+    """transformers' model of `ckpt` (GPT-2 or Llama, as exported) and its exported directory."""
+    from transformers import AutoModelForCausalLM
 
     from model.hf import export_hf
 
     out = Path(tempfile.mkdtemp(prefix="nanoserve-bench-hf-"))
     export_hf(ckpt, out)
-    return GPT2LMHeadModel.from_pretrained(out, dtype=DTYPES[ckpt.dtype]).eval(), out
+    return AutoModelForCausalLM.from_pretrained(out, dtype=DTYPES[ckpt.dtype]).eval(), out
 
 
 @torch.inference_mode()

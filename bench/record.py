@@ -34,7 +34,8 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(),
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu,
             "torch": torch.__version__, "python": platform.python_version()}
 
 

@@ -1,7 +1,7 @@
 """HTTP vs in-process: is the server itself a bottleneck?
 
     python -m bench.serving [--checkpoint checkpoints/shakespeare-char | --shape 10.7M|124M] [--dtype float32]
-                            [-c 32] [-n 128] [--max-new-tokens 64] [--stream-intervals 1,4]
+                            [-c 32] [-n 128] [--max-new-tokens 64] [--stream-intervals 1,4] [--device cuda]
 
 The same engine settings and the same closed-loop load (c clients, n requests, the same prompt,
 sampled at temperature 1 with a seed per request) run twice, alternating, `--repeats` times:
@@ -46,14 +46,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str, dtype: str, spread: int,
-               interval: int = 1) -> dict[str, Any]:
+               interval: int = 1, device: str = "cpu") -> dict[str, Any]:
     from model.checkpoint import load_checkpoint
     from service.engine.config import EngineConfig
     from service.engine.engine import Engine
     from service.engine.types import SamplingParams
 
     engine = Engine(load_checkpoint(checkpoint), EngineConfig(max_seqs=conc, max_queue=requests,
-                                                                  dtype=dtype))
+                                                                  dtype=dtype, device=device))
     engine.start()
     ttfts: list[float] = []
     tokens = 0
@@ -95,7 +95,7 @@ def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str
 
 
 def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str, dtype: str, spread: int,
-              interval: int = 1) -> dict[str, Any]:
+              interval: int = 1, device: str = "cpu") -> dict[str, Any]:
     import httpx
 
     from tests.service.server import running_server
@@ -103,7 +103,7 @@ def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str,
     env = {"NANOSERVE_MAX_SEQS": str(conc), "NANOSERVE_MAX_QUEUE": str(requests),
            "NANOSERVE_LOG_LEVEL": "warning", "NANOSERVE_STREAM_INTERVAL": str(interval),
            "NANOSERVE_DTYPE": dtype}
-    with running_server(checkpoint, env=env) as server:
+    with running_server(checkpoint, env=env, args=("--device", device)) as server:
         def load(n: int) -> Any:
             config = LoadConfig(url=server.base_url, concurrency=conc, requests=n, max_new_tokens=new,
                                 spread=spread, temperature=1.0, seed=0, prompt=prompt)
@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "shakespeare-char"))
     ap.add_argument("--shape", choices=sorted(SHAPES), help="random weights of this shape instead")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: both ways serve on it")
     ap.add_argument("-c", "--concurrency", type=int, default=32)
     ap.add_argument("-n", "--requests", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -183,8 +184,8 @@ def _run(args: argparse.Namespace, ckpt: Path, name: str, started: dict[str, Any
                 args.spread)
         for interval in intervals:
             by_way = runs[interval]
-            by_way["in_process"].append(in_process(*load, interval))
-            by_way["http"].append(over_http(*load, interval))
+            by_way["in_process"].append(in_process(*load, interval, device=args.device))
+            by_way["http"].append(over_http(*load, interval, device=args.device))
             for way, rs in by_way.items():
                 r = rs[-1]
                 print(f"  interval {interval} {way:10s} {r['tokens_per_s']:8.1f} tok/s  TTFT p50 "

@@ -1,5 +1,5 @@
-"""The benchmarks' models: the issue's two GPT-2-architecture shapes with random weights, their
-dtypes, and the prompts every peer is given."""
+"""The benchmarks' models: the issue's GPT-2-architecture shapes and a Llama-family one with random
+weights, their dtypes, and the prompts every peer is given."""
 
 from __future__ import annotations
 
@@ -16,6 +16,11 @@ SHAPES: dict[str, GPTConfig] = {
     # nanoGPT's shakespeare_char model (10.7M parameters) and GPT-2 small (124M).
     "10.7M": GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384),
     "124M": GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    # SmolLM2-135M's shape, the Llama family: 30 layers of width 576, 9 query and 3 key/value
+    # heads, a SwiGLU MLP of 1536, rotary positions, RMSNorm, no biases, tied embeddings.
+    "135M": GPTConfig(vocab_size=49152, block_size=8192, n_layer=30, n_head=9, n_embd=576, bias=False,
+                      norm="rmsnorm", mlp="swiglu", mlp_hidden=1536, positions="rope", rope_theta=100000.0,
+                      n_kv_head=3),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -1,0 +1,164 @@
+"""bench/gpu: the prepared GPU check cannot rot where no GPU runs it. Its plan parses with each
+step's own parser and measures what the issue's targets name, its filter selects enough engine
+tests, its wheels meet every requirement, its verdicts never call anything unmeasured a pass, and
+(slow) its dry run goes through the driver end to end on the CPU."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.gpu.check import main, make_plan
+from bench.gpu.report import render
+from bench.gpu.targets import judge
+from bench.gpu.wheels import problems
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_every_step_of_the_plan_parses_with_its_modules_parser(dry_run: bool) -> None:
+    plan = make_plan(dry_run)
+    assert list(plan.steps) == ["probe", "tests", "stream", "engine", "hf", "serving",
+                                "engine-135M", "hf-135M", "hf-static"]
+    for name, (argv, timeout_s) in plan.steps.items():
+        assert 0 < timeout_s <= plan.budget_s, name
+        if argv[0] == "pytest":
+            assert all((ROOT / path).exists() for path in plan.test_paths)
+            continue
+        parser = importlib.import_module(argv[0]).build_parser()
+        args = parser.parse_args([*argv[1:], "--json", "out.json"])
+        assert args.device == plan.device, name
+
+
+def test_the_gpu_plan_measures_what_the_targets_name() -> None:
+    plan = make_plan(dry_run=False)
+    assert (plan.device, plan.shape, plan.dtype) == ("cuda", "124M", "bfloat16")
+    assert plan.batches == (1, 64) and plan.streams == (1, 64)
+    assert plan.more_shapes == ("135M",)  # SmolLM2-135M's shape, the Llama family
+    assert "torch-cuda" in plan.test_filter
+    assert plan.budget_s + 60 <= 480  # the driver and the wheel install inside one 8-minute call
+
+
+COLLECT_AS_ON_A_GPU = """
+import sys, torch, pytest
+torch.cuda.is_available = lambda: True  # collection only: nothing runs on a device
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *sys.argv[1:]]))
+"""
+
+
+def test_the_gpu_filter_selects_the_cuda_tests_and_min_tests_of_them() -> None:
+    # Collected as on a GPU: tests/service/engine/conftest.py then adds the "torch-cuda" parameter.
+    plan = make_plan(dry_run=False)
+    argv = [sys.executable, "-c", COLLECT_AS_ON_A_GPU, *plan.test_paths, "-k", plan.test_filter]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    selected = [line for line in done.stdout.splitlines() if "::" in line]
+    assert len(selected) >= plan.min_tests, done.stdout[-2000:]
+    assert all("torch-cuda" in t or "cuda_index" in t for t in selected)
+    assert any("test_greedy_matches_reference" in t for t in selected)  # parity
+    assert any("alone_and_batched" in t for t in selected)  # batch invariance
+
+
+def test_the_carried_wheels_and_the_image_meet_every_requirement() -> None:
+    assert problems() == []
+
+
+def _peer(batches: dict[int, tuple[float, float]]) -> dict[str, Any]:
+    return {"weight_bytes": 250e6, "runs": [{"batch": b, "tokens_per_s": tps, "decode_step_ms": ms}
+                                            for b, (tps, ms) in batches.items()]}
+
+
+def _results(device: str = "cuda:0") -> dict[str, Any]:
+    serving = {"by_streams": [{"streams": 64, "ratio": 0.9, "http": {"tokens_per_s": 900.0},
+                               "in_process": {"tokens_per_s": 1000.0}}]}
+    return {"probe": {"device": device, "copy_bandwidth_GBps": 3000.0},
+            "engine": _peer({1: (400.0, 2.0), 64: (9000.0, 7.0)}),
+            "hf": _peer({1: (100.0, 10.0), 64: (2000.0, 30.0)}),
+            "hf-static": _peer({1: (250.0, 4.0), 64: (1500.0, 40.0)}),
+            "serving": serving}
+
+
+def test_each_target_against_hf_at_its_fastest_cache_and_the_bound() -> None:
+    v = {x.target: x for x in judge(_results(), 1, 64, 64)}
+    big, one = v["batch 64: engine / HF generate"], v["batch 1: engine / HF generate"]
+    assert (big.ratio, big.status) == (4.5, "PASS") and "(hf)" in big.detail
+    assert (one.ratio, one.status) == (1.6, "FAIL") and "(hf-static)" in one.detail  # 400 / 250
+    hbm = v["batch 1: engine / HBM bound"]  # 500 tok/s decoding against 3000e9 / 250e6 = 12000
+    assert hbm.ratio == pytest.approx(500 / 12000) and hbm.status == "FAIL"
+    assert v["64 streams: HTTP / in-process"].status == "PASS"
+
+
+def test_a_further_shape_is_judged_on_its_own_steps() -> None:
+    results = {**_results(), "engine-135M": _peer({1: (300.0, 3.0), 64: (6000.0, 10.0)}),
+               "hf-135M": _peer({1: (100.0, 10.0), 64: (3000.0, 20.0)})}
+    v = {x.target: x for x in judge(results, 1, 64, 64, ("135M",))}
+    big = v["135M batch 64: engine / HF generate"]
+    assert (big.ratio, big.status) == (2.0, "FAIL")
+    assert v["135M batch 1: engine / HF generate"].ratio == 3.0  # against hf-135M, not the 124M peers
+    assert len(v) == 7
+
+
+def test_nothing_unmeasured_passes_and_nothing_off_a_gpu_is_a_gpu_result() -> None:
+    results = _results()
+    del results["hf"], results["hf-static"], results["serving"]
+    results["engine"]["runs"][0]["decode_step_ms"] = float("nan")
+    assert [v.status for v in judge(results, 1, 64, 64)] == ["NOT MEASURED"] * 4
+    assert {v.status for v in judge(_results("cpu"), 1, 64, 64)} == {"DRY RUN"}
+
+
+def test_the_report_says_a_dry_run_is_one_and_tables_every_target() -> None:
+    payload = {"meta": {"utc": "t", "dry_run": True, "plan": make_plan(True).__dict__},
+               "steps": {"probe": {"status": "ok", "seconds": 1, "result": {"device": "cpu", "name": "x"}},
+                         "hf-static": {"status": "skipped", "note": "budget spent (3 s left)"}},
+               "targets": [v.to_dict() for v in judge(_results("cpu"), 1, 64, 64)]}
+    summary, table = render(payload)
+    assert summary.startswith("**DRY RUN on the CPU (no GPU result)**")
+    assert "| hf-static | skipped | - | budget spent (3 s left) |" in table
+    assert table.count("| DRY RUN |") == 4
+
+
+def _payload(utc: str, gpu: str, steps: dict[str, Any]) -> dict[str, Any]:
+    probe = {"status": "ok", "result": {"device": "cuda", "name": gpu, "copy_bandwidth_GBps": 3000.0}}
+    return {"meta": {"utc": utc, "dry_run": False, "plan": make_plan(False).__dict__},
+            "steps": {"probe": probe, **steps}, "targets": []}
+
+
+def test_a_rerun_merges_with_its_run_and_runs_on_two_gpus_do_not(tmp_path: Path) -> None:
+    first = _payload("t1", "NVIDIA H100", {"engine": {"status": "ok", "result": _results()["engine"]},
+                                            "hf-static": {"status": "timeout", "rc": None}})
+    rerun = _payload("t2", "NVIDIA H100", {"engine": {"status": "skipped"},
+                                            "hf-static": {"status": "ok", "result": _results()["hf-static"]}})
+    paths = []
+    for name, payload in (("a.json", first), ("b.json", rerun)):
+        (tmp_path / name).write_text(json.dumps(payload))
+        paths.append(str(tmp_path / name))
+    assert main(["--merge", *paths, "--out", str(tmp_path / "out")]) == 0
+    merged = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert merged["meta"]["merged_from"] == ["t1", "t2"]
+    assert merged["steps"]["engine"]["status"] == "ok" and merged["steps"]["hf-static"]["status"] == "ok"
+    big = merged["targets"][0]  # engine 9000 against generate (static cache) 1500 at batch 64
+    assert big["ratio"] == 6.0 and big["status"] == "PASS"
+    (tmp_path / "c.json").write_text(json.dumps(_payload("t3", "NVIDIA H200", {})))
+    with pytest.raises(SystemExit, match="different devices"):
+        main(["--merge", paths[0], str(tmp_path / "c.json"), "--out", str(tmp_path / "out")])
+
+
+@pytest.mark.slow
+def test_the_dry_run_goes_through_the_driver(tmp_path: Path) -> None:
+    # The cheapest steps through run.sh and the driver: a step's process, its JSON, the report.
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    done = subprocess.run(["bash", "bench/gpu/run.sh", "--dry-run", "--only", "probe,tests"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert payload["steps"]["probe"]["result"]["copy_bandwidth_GBps"] > 0
+    assert payload["steps"]["tests"]["result"]["passed"] >= 3
+    assert done.stdout.rstrip().endswith("|")  # the table comes last
+    assert (tmp_path / "summary.md").read_text().startswith("**DRY RUN")
