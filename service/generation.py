@@ -28,7 +28,7 @@ from service.encoding import encode, prompt_too_long
 from service.engine.types import FinishReason, InvalidRequest, SamplingParams, TokenEvent
 from service.errors import APIError
 from service.settings import Settings
-from service.sse import EventStreamResponse, Render, event_stream
+from service.sse import ErrorEvent, EventStreamResponse, Render, event_stream, sse_error
 
 if TYPE_CHECKING:
     from service.engine.engine import Engine, GenerationStream
@@ -135,11 +135,13 @@ def sse_response(
     *,
     trailer: Iterable[bytes] = (),
     headers: Mapping[str, str] | None = None,
+    error_event: ErrorEvent = sse_error,
 ) -> EventStreamResponse:
     """Stream `gen` as server-sent events; events already waiting go out together, and under the
     server's own protocol those in the middle are written as they arrive (`sse.DirectEvents`)."""
     return event_stream(gen.events, render, keepalive_s=settings.keepalive_interval, on_close=gen.aclose,
-                        trailer=trailer, headers=headers, ready=gen.stream.ready, direct=gen)
+                        trailer=trailer, headers=headers, ready=gen.stream.ready, direct=gen,
+                        error_event=error_event)
 
 
 async def _recorded(events: AsyncIterator[TokenEvent], request: Request) -> AsyncIterator[TokenEvent]:
@@ -194,7 +196,7 @@ async def collect(request: Request, gen: Generation) -> Completed:
         raise APIError(499, "client disconnected", code="client_disconnected")
     consume.result()  # re-raise an unexpected failure (answered as a clean 500)
     if not out.events or out.final.finish_reason is None:
-        raise APIError(500, "the generation ended without a finish reason", code="internal_error")
+        raise APIError(500, "the generation ended without a finish reason", code="incomplete_generation")
     if out.final.finish_reason is FinishReason.ERROR:
         reason = out.final.error or "engine error"
         raise APIError(500, f"generation failed: {reason}", code="generation_error")

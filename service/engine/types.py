@@ -33,6 +33,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # additive, OpenAI style
     presence_penalty: float = 0.0  # additive, OpenAI style
     stop: tuple[str, ...] = ()
+    keep_stop: bool = False  # the text keeps a matched stop string (TGI) instead of ending before it
     stop_on_eos: bool = True
     seed: int | None = None  # None: the engine picks one and reports it
     logprobs: bool = False  # logprob of each chosen token
