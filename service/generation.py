@@ -118,7 +118,8 @@ async def start_generation(
             stream_interval=request.app.state.settings.stream_interval, client=client,
         )
     except InvalidRequest as exc:
-        exc.param = exc.param or param
+        if exc.param in (None, "inputs"):  # the engine's name for the prompt: the route's field
+            exc.param = param
         raise
     record.started(stream.prompt_tokens, stream.cropped_tokens)
     arrival: float = request.state.arrival

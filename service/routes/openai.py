@@ -2,8 +2,9 @@
 
 Thin by design: validate the request (service/schemas/openai.py), turn it into `SamplingParams`,
 call `Engine.generate`, and translate its token events (service/routes/openai_format.py).
-Everything that can be refused is refused before the 200: schema errors (422 naming the field),
-server limits, an unknown model (404), a prompt the tokenizer cannot represent, a full queue (429).
+Everything that can be refused is refused before the 200: schema errors (400 naming the field, in
+OpenAI's dialect: service/error_dialects.py), server limits, a prompt the tokenizer cannot
+represent, a full queue (429). The `model` field is not matched (`_served_model`).
 """
 
 from __future__ import annotations
@@ -56,15 +57,18 @@ _SSE_DOC: dict[int | str, dict[str, Any]] = {
         "description": "JSON, or with `stream: true` server-sent events: one chunk per text delta, "
         "then `data: [DONE]`.",
     },
-    404: {"description": "`model` is not the served model.", "model": ErrorResponse},
 }
 
 
-def _served_model(engine: Any, requested: str | None) -> str:
+# OpenAI's default for completions; chat's is the server's default_max_new_tokens.
+COMPLETIONS_MAX_TOKENS = 16
+
+
+def _served_model(engine: Any) -> str:
+    """The model that answers. A request's `model` does not choose it: one model is served, and
+    clients send placeholders (huggingface_hub "dummy" or "tgi", LangChain a configured name), so
+    the field is ignored as TGI and llama.cpp's server ignore it; responses name the served model."""
     served: str = engine.checkpoint.name
-    if requested is not None and requested != served:
-        raise APIError(404, f"model {requested!r} does not exist; this server serves {served!r}",
-                       code="model_not_found", param="model")
     return served
 
 
@@ -133,7 +137,10 @@ async def list_models(engine: EngineDep) -> ModelList:
             responses={404: {"description": "Not the served model.", "model": ErrorResponse}})
 async def get_model(model_id: str, engine: EngineDep) -> ModelCard:
     """One model by id (404 unless it is the served one)."""
-    _served_model(engine, model_id)
+    served = _served_model(engine)
+    if model_id != served:
+        raise APIError(404, f"model {model_id!r} does not exist; this server serves {served!r}",
+                       code="model_not_found", param="model")
     return _model_card(engine)
 
 
@@ -147,9 +154,11 @@ def _model_card(engine: Any) -> ModelCard:
 async def completions(body: CompletionRequest, request: Request, engine: EngineDep,
                       settings: SettingsDep) -> Response | CompletionResponse:
     """Text completion of one prompt (OpenAI's legacy completions API)."""
-    model = _served_model(engine, body.model)
+    model = _served_model(engine)
     top_n = body.logprobs or 0
-    params = _sampling_params(body, settings, max_tokens=body.max_tokens, extra_stop=[],
+    max_tokens = body.max_tokens if body.max_tokens is not None else min(COMPLETIONS_MAX_TOKENS,
+                                                                          settings.max_new_tokens)
+    params = _sampling_params(body, settings, max_tokens=max_tokens, extra_stop=[],
                               logprobs=body.logprobs is not None, top_n=top_n)
     prompt = body.prompt_input()
     vocab = engine.tokenizer.vocab_size
@@ -177,7 +186,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
     """The assistant's next message, with the checkpoint's chat template applied. A conversation
     longer than the window loses its oldest turns, never its system messages or its last message
     (the count is in the X-Nanoserve-Dropped-Messages header)."""
-    model = _served_model(engine, body.model)
+    model = _served_model(engine)
     template = engine.checkpoint.chat_template
     messages = [m.for_template() for m in body.messages]
     try:

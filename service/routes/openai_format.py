@@ -84,8 +84,7 @@ class CompletionLogprobsBuilder:
     def __init__(self, reply: Reply, top_n: int) -> None:
         self.reply = reply
         self.top_n = top_n
-        self.value = CompletionLogprobs(tokens=[], token_logprobs=[],
-                                        top_logprobs=[] if top_n else None, text_offset=[])
+        self.value = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         self.offset = 0
 
     def add(self, event: TokenEvent) -> None:
@@ -96,15 +95,17 @@ class CompletionLogprobsBuilder:
         v.tokens.append(token)
         v.token_logprobs.append(event.logprob)
         if v.top_logprobs is not None:
-            v.top_logprobs.append({t.text: t.logprob for t in event.top_tokens[: self.top_n]})
+            tops = {t.text: t.logprob for t in event.top_tokens[: self.top_n]}
+            if event.logprob is not None:  # OpenAI: the chosen token is always among them (up to N + 1)
+                tops.setdefault(token, event.logprob)
+            v.top_logprobs.append(tops)
         v.text_offset.append(self.offset)
         self.offset += len(token)
 
     def take(self) -> CompletionLogprobs:
         """What accumulated since the last call (the whole object for a non-streamed reply)."""
         out = self.value
-        self.value = CompletionLogprobs(tokens=[], token_logprobs=[],
-                                        top_logprobs=[] if self.top_n else None, text_offset=[])
+        self.value = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         return out
 
 

@@ -49,7 +49,8 @@ class GenerationRequest(BaseModel):
     model_config = _STRICT
 
     model: str | None = Field(
-        None, max_length=256, description="The served model's id (GET /v1/models); omitted = that model."
+        None, max_length=256, description="Not used to choose: the server serves one model, which "
+        "answers whatever is named here (as TGI and llama.cpp's server do); responses name it."
     )
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -67,6 +68,12 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256, description="Accepted for compatibility and ignored.")
+    safety_identifier: str | None = Field(None, max_length=256, description="Accepted and ignored.")
+    store: bool | None = Field(None, description="Nothing is stored: false or null only.")
+    metadata: dict[str, str] | None = Field(
+        None, max_length=16, description="Accepted and ignored (it labels stored completions; none are)."
+    )
+    service_tier: Literal["auto", "default"] | None = Field(None, description="One tier: auto/default only.")
     # Declared only to be refused with a clear message (see the validators).
     n: int = Field(1, ge=1, le=MAX_COUNT, description="Only 1 is supported.")
     logit_bias: dict[str, float] | None = Field(None, description="Not supported (empty/null only).")
@@ -76,6 +83,13 @@ class GenerationRequest(BaseModel):
     def _one_choice(cls, v: int) -> int:
         if v != 1:
             raise _unsupported("n", f"got {v}; only one choice per request (n = 1). Send several requests.")
+        return v
+
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, v: bool | None) -> bool | None:
+        if v:
+            raise _unsupported("store", "completions are not stored; send false or leave it out")
         return v
 
     @field_validator("logit_bias")
@@ -116,7 +130,7 @@ class CompletionRequest(GenerationRequest):
         description="A string, a list holding one string, or a list of token ids."
     )
     max_tokens: int | None = Field(
-        16, ge=1, le=MAX_COUNT, description="Tokens to generate (OpenAI's default: 16)."
+        None, ge=1, le=MAX_COUNT, description="Tokens to generate; null or omitted: 16 (OpenAI's default)."
     )
     logprobs: int | None = Field(None, ge=0, le=20, description="Also return this many top alternatives.")
     echo: bool = Field(False, description="Not supported (false only).")
@@ -207,12 +221,12 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # Declared only to be refused with a clear message.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-    parallel_tool_calls: bool | None = None
+    # Tool calling is not implemented: accepted only in the forms that call no tool.
+    tools: list[Any] | None = Field(None, description="Empty or null only.")
+    tool_choice: Any = Field(None, description='"none", "auto" (with no tools) or null only.')
+    functions: list[Any] | None = Field(None, description="Empty or null only.")
+    function_call: Any = Field(None, description='"none", "auto" or null only.')
+    parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored (no tools).")
     response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
     modalities: list[str] | None = Field(None, description='Only ["text"].')
     audio: Any = None
@@ -220,11 +234,20 @@ class ChatCompletionRequest(GenerationRequest):
     reasoning_effort: Any = None
     web_search_options: Any = None
 
-    @field_validator("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+    @field_validator("tools", "functions")
     @classmethod
-    def _no_tools(cls, v: Any, info: ValidationInfo) -> Any:
-        if v is not None:
+    def _no_tools(cls, v: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
+        if v:
             raise _unsupported(str(info.field_name), "tool and function calling are not implemented")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_call(cls, v: Any, info: ValidationInfo) -> Any:
+        # With no tools, "auto" and "none" both mean a plain reply.
+        if v is not None and v not in ("none", "auto"):
+            raise _unsupported(str(info.field_name), "tool and function calling are not implemented; "
+                               'send "none", "auto" or leave it out')
         return v
 
     @field_validator("audio", "prediction", "reasoning_effort", "web_search_options")

@@ -192,7 +192,8 @@ async def test_tokenize_applies_truncate_and_validates_parameters(client: AppCli
 async def test_tokenize_rejects_unrepresentable_text(client: AppClient) -> None:
     r = await client.post("/tokenize", json={"inputs": "naïve"})
     assert r.status_code == 422
-    assert r.json()["error_type"] == "validation" and "ï" in r.json()["error"] and "inputs" in r.json()["error"]
+    error = r.json()
+    assert error["error_type"] == "validation" and "ï" in error["error"] and "inputs" in error["error"]
 
 
 async def test_info_reports_model_and_limits(client: AppClient) -> None:

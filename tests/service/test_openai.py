@@ -202,6 +202,14 @@ def test_logprobs(client: openai.OpenAI) -> None:
     lp = legacy.choices[0].logprobs
     assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
     assert "".join(lp.tokens) == legacy.choices[0].text and len(lp.token_logprobs) == 5
+    # OpenAI: the chosen token is always among top_logprobs (so up to N + 1 entries).
+    sampled = client.completions.create(model="tiny-test", prompt="Hi", max_tokens=8, temperature=1.5,
+                                        seed=3, logprobs=1)
+    lp = sampled.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.top_logprobs is not None
+    assert lp.token_logprobs is not None
+    for token, logprob, tops in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(tops) <= 2 and tops[token] == logprob
 
 
 @pytest.mark.parametrize(("kwargs", "field", "says"), [
@@ -218,7 +226,7 @@ def test_chat_refusals_surface_in_the_sdk(client: openai.OpenAI, kwargs: dict, f
     args: dict[str, Any] = {"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}],
                             "max_tokens": 4, **kwargs}
     for stream in (False, True):  # a streamed request is refused before its stream starts
-        with pytest.raises(openai.UnprocessableEntityError) as info:
+        with pytest.raises(openai.BadRequestError) as info:  # OpenAI's 400, not 422
             client.chat.completions.create(**args, stream=stream)
         body = info.value.body
         assert isinstance(body, dict) and body["param"].startswith(field), body
@@ -231,12 +239,34 @@ def test_prompt_forms_and_unknown_model(client: openai.OpenAI, checkpoint: Check
     as_ids = client.completions.create(model="tiny-test", prompt=ids, max_tokens=6, temperature=0)
     as_list = client.completions.create(model="tiny-test", prompt=["Hath"], max_tokens=6, temperature=0)
     assert as_text.choices[0].text == as_ids.choices[0].text == as_list.choices[0].text
-    with pytest.raises(openai.UnprocessableEntityError, match="token id 5000 is not in"):
+    with pytest.raises(openai.BadRequestError, match="token id 5000 is not in"):
         client.completions.create(model="tiny-test", prompt=[1, 5000], max_tokens=1)
-    with pytest.raises(openai.UnprocessableEntityError, match="one prompt per request"):
+    with pytest.raises(openai.BadRequestError, match="one prompt per request"):
         client.completions.create(model="tiny-test", prompt=["a", "b"], max_tokens=1)
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
-        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    # `model` does not choose (one model is served): any name gets the served model's answer.
+    other = client.completions.create(model="gpt-4", prompt="Hath", max_tokens=6, temperature=0)
+    assert other.model == "tiny-test" and other.choices[0].text == as_text.choices[0].text
+
+
+def test_null_means_default_and_neutral_fields_are_accepted(client: openai.OpenAI) -> None:
+    omitted = client.completions.create(model="tiny-test", prompt="Hath", temperature=0)
+    null = client.completions.create(model="tiny-test", prompt="Hath", temperature=0,
+                                     extra_body={"max_tokens": None})
+    assert omitted.usage is not None and null.usage is not None
+    assert omitted.usage.completion_tokens == null.usage.completion_tokens == 16  # OpenAI's default
+    assert omitted.choices[0].text == null.choices[0].text
+    reply = client.chat.completions.create(
+        model="whatever-the-client-calls-it", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        tools=[], tool_choice="none", parallel_tool_calls=False, store=False, metadata={}, temperature=0,
+    )
+    assert reply.model == "tiny-test" and reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_unknown_v1_route_is_openais_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.post("/frobnicate", body={}, cast_to=dict)
+    assert info.value.body == {"message": "Invalid URL (POST /v1/frobnicate)", "type": "invalid_request_error",
+                               "code": "unknown_url", "param": None}
 
 
 def test_sse_wire_format(server: ServerProcess) -> None:

@@ -30,14 +30,31 @@ def test_supported_fields_are_accepted() -> None:
     assert req.token_limit() == 5 and req.stop_list() == ["\n"] and req.include_usage()
     assert CompletionRequest.model_validate({"prompt": ["one"]}).prompt_input() == "one"
     assert CompletionRequest.model_validate({"prompt": [5, 6]}).prompt_input() == [5, 6]
-    assert CompletionRequest.model_validate({"prompt": "x"}).max_tokens == 16  # OpenAI's default
+    # Omitted and null are the same: the route then uses OpenAI's default of 16.
+    assert CompletionRequest.model_validate({"prompt": "x"}).max_tokens is None
+    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": None}).max_tokens is None
+
+
+def test_neutral_values_some_clients_always_send_are_accepted() -> None:
+    # Tool-less, storeless defaults that SDKs and frameworks fill in: they ask for nothing.
+    ChatCompletionRequest.model_validate({
+        **CHAT, "tools": [], "tool_choice": "none", "parallel_tool_calls": False, "store": False,
+        "metadata": {}, "functions": [], "function_call": "none", "service_tier": "auto",
+        "safety_identifier": "u1", "max_tokens": None, "response_format": None,
+    })
+    ChatCompletionRequest.model_validate({**CHAT, "tool_choice": "auto", "parallel_tool_calls": True,
+                                          "metadata": {"app": "x"}})
 
 
 @pytest.mark.parametrize(("body", "field", "says"), [
     ({**CHAT, "n": 2}, "n", "only one choice"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools", "tool and function calling"),
-    ({**CHAT, "tool_choice": "auto"}, "tool_choice", "not supported"),
-    ({**CHAT, "functions": []}, "functions", "not supported"),
+    ({**CHAT, "tool_choice": "required"}, "tool_choice", "not supported"),
+    ({**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+     "not supported"),
+    ({**CHAT, "functions": [{"name": "f"}]}, "functions", "not supported"),
+    ({**CHAT, "store": True}, "store", "not stored"),
+    ({**CHAT, "service_tier": "flex"}, "service_tier", "'auto'"),
     ({**CHAT, "response_format": {"type": "json_object"}}, "response_format", "JSON mode"),
     ({**CHAT, "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
     ({**CHAT, "frobnicate": 1}, "frobnicate", "Extra inputs"),
