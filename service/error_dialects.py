@@ -92,9 +92,9 @@ def rewrite(fam: Family, method: str, path: str, status: int, body: bytes,
         if status == 422:
             status = 400
         if status == 404 and code == "not_found":  # no such route: OpenAI's answer, word for word
-            body = error_body(status, f"Invalid URL ({method} {path})", "unknown_url")
-            body["error"]["type"] = "invalid_request_error"
-            return status, to_json(body)
+            unknown = error_body(status, f"Invalid URL ({method} {path})", "unknown_url")
+            unknown["error"]["type"] = "invalid_request_error"
+            return status, to_json(unknown)
     return status, to_json(error_body(status, message, code, err.get("param")))
 
 

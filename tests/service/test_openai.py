@@ -265,8 +265,8 @@ def test_null_means_default_and_neutral_fields_are_accepted(client: openai.OpenA
 def test_unknown_v1_route_is_openais_404(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.post("/frobnicate", body={}, cast_to=dict)
-    assert info.value.body == {"message": "Invalid URL (POST /v1/frobnicate)", "type": "invalid_request_error",
-                               "code": "unknown_url", "param": None}
+    assert info.value.body == {"message": "Invalid URL (POST /v1/frobnicate)",
+                               "type": "invalid_request_error", "code": "unknown_url", "param": None}
 
 
 def test_sse_wire_format(server: ServerProcess) -> None:
