@@ -86,9 +86,9 @@ def test_text_generation_client_error_classes(server: ServerProcess) -> None:
         client.generate("Hello", max_new_tokens=2, top_n_tokens=6)
     with pytest.raises(ValidationError, match="top_n_tokens"):
         list(client.generate_stream("Hello", max_new_tokens=2, top_n_tokens=6))
-    with pytest.raises(GenerationError, match="(?i)finite|nan"):  # fails inside the engine: 424
+    with pytest.raises(GenerationError, match=r"(?i)finite|nan"):  # fails inside the engine: 424
         client.generate(f"{FAULT} x", max_new_tokens=4)
-    with pytest.raises(GenerationError, match="(?i)finite|nan"):  # ... or after the stream's 200
+    with pytest.raises(GenerationError, match=r"(?i)finite|nan"):  # ... or after the stream's 200
         list(client.generate_stream(f"{FAULT} x", max_new_tokens=4))
     with slot_and_queue_taken(server):
         with pytest.raises(OverloadedError):
