@@ -52,7 +52,8 @@ async def test_every_protected_route_refuses_missing_and_wrong_keys(client: AppC
             if family(method, path) == "tgi":  # TGI's shape on its routes, the shared one elsewhere
                 assert r.json() == {"error": r.json()["error"], "error_type": code}
             else:
-                assert r.json()["error"]["code"] == code and r.json()["error"]["type"] == "authentication_error"
+                error = r.json()["error"]
+                assert error["code"] == code and error["type"] == "authentication_error"
             assert r.headers["www-authenticate"] == "Bearer"
 
 
@@ -103,7 +104,8 @@ async def test_cors_allows_only_configured_origins(client: AppClient) -> None:
     # Refused in the path's error dialect, as JSON (Starlette answers it in plain text).
     assert evil.status_code == 400 and evil.headers["content-type"] == "application/json"
     assert evil.json()["error_type"] == "validation" and "CORS" in evil.json()["error"]
-    evil = await client.options("/v1/chat/completions", headers={"Origin": "https://evil.example", **preflight})
+    evil = await client.options("/v1/chat/completions",
+                                headers={"Origin": "https://evil.example", **preflight})
     assert evil.status_code == 400 and evil.json()["error"]["code"] == "cors_preflight_rejected"
     simple = await client.get("/health", headers={"Origin": "https://evil.example"})
     assert "access-control-allow-origin" not in simple.headers
