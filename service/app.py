@@ -1,8 +1,8 @@
 """The FastAPI application: `create_app(settings)` builds it; the lifespan loads the model.
 
 Layout of a request (outermost first): RequestContextMiddleware (arrival time, X-Request-Id,
-access log) -> ErrorDialects (each API family's error shape) -> CORS (only when origins are
-configured) -> the metrics middleware -> HeaderLimitMiddleware (431) -> DrainGate (503 while
+access log) -> the metrics middleware -> ErrorDialects (each API family's error shape) -> CORS
+(only when origins are configured) -> HeaderLimitMiddleware (431) -> DrainGate (503 while
 shutting down) -> BodyLimitMiddleware (413) -> HeadAsGet (HEAD on GET routes) -> ApiKeyGate
 (401, when keys are set) -> FastAPI (routes, the shared error handlers of service/errors.py).
 The OpenAPI document is completed by service/api_docs.py (shared error statuses, SSE events).
@@ -194,7 +194,6 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app.add_middleware(DrainGate, is_draining=app.state.lifecycle.is_draining)
     app.add_middleware(HeaderLimitMiddleware, max_bytes=settings.max_header_bytes,
                        max_count=settings.max_headers)
-    app.state.metrics.install(app)
     if settings.cors_origins:
         from service.routes.openai import DROPPED_HEADER
 
@@ -206,5 +205,6 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
             expose_headers=["X-Request-Id", "Retry-After", DROPPED_HEADER],
         )
     app.add_middleware(ErrorDialects)  # outside CORS: its plain-text refusals get the error shape
+    app.state.metrics.install(app)  # outside ErrorDialects: it counts the statuses clients get
     app.add_middleware(RequestContextMiddleware)
     return app
