@@ -40,6 +40,9 @@ class SamplingParams:
     top_n_tokens: int = 0  # this many top alternatives per step, with logprobs
     deadline_s: float | None = None  # optional wall-clock budget from submission
     truncate: int | None = None  # keep only the last `truncate` prompt tokens (TGI)
+    # (token id, bias) pairs added to the logits before any processing or sampling (OpenAI's
+    # logit_bias): -100 all but bans a token, +100 all but forces it.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,7 @@ def _sampling_params(body: GenerationRequest, settings: Settings, *, max_tokens:
         seed=body.seed,
         logprobs=logprobs,
         top_n_tokens=top_n,
+        logit_bias=body.bias_pairs(),
     )
 
 

@@ -76,7 +76,10 @@ class GenerationRequest(BaseModel):
     service_tier: Literal["auto", "default"] | None = Field(None, description="One tier: auto/default only.")
     # Declared only to be refused with a clear message (see the validators).
     n: int = Field(1, ge=1, le=MAX_COUNT, description="Only 1 is supported.")
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported (empty/null only).")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100], added to the logits before "
+        "sampling: -100 all but bans a token, 100 all but forces it."
+    )
 
     @field_validator("n")
     @classmethod
@@ -94,10 +97,21 @@ class GenerationRequest(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise _unsupported("logit_bias", "remove it or send an empty object")
+    def _bias_by_token_id(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        ids: set[int] = set()
+        for key, bias in (v or {}).items():
+            if not key.isascii() or not key.isdecimal() or len(key) > 10:
+                raise _invalid(f"logit_bias keys are token ids (decimal strings), got {key[:20]!r}")
+            if int(key) in ids:
+                raise _invalid(f"logit_bias names token {int(key)} twice")
+            ids.add(int(key))
+            if not -100.0 <= bias <= 100.0:
+                raise _invalid(f"logit_bias[{key!r}] is {bias}; biases are in [-100, 100]")
         return v
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as the engine takes it: (token id, bias) pairs."""
+        return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
 
     @field_validator("stop")
     @classmethod

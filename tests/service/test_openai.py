@@ -262,6 +262,22 @@ def test_null_means_default_and_neutral_fields_are_accepted(client: openai.OpenA
     assert reply.model == "tiny-test" and reply.choices[0].finish_reason in ("length", "stop")
 
 
+def test_logit_bias_bans_and_forces_tokens(client: openai.OpenAI, checkpoint: Checkpoint) -> None:
+    tok = checkpoint.tokenizer
+    free = client.completions.create(model="tiny-test", prompt="Hath", max_tokens=6, temperature=0)
+    first = tok.encode(free.choices[0].text[0])[0]
+    banned = client.completions.create(model="tiny-test", prompt="Hath", max_tokens=6, temperature=0,
+                                       logit_bias={str(first): -100})
+    assert free.choices[0].text[0] not in banned.choices[0].text
+    x = tok.encode("x")[0]
+    forced = client.chat.completions.create(model="tiny-test", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=5, temperature=1.0, seed=2, logit_bias={str(x): 100})
+    assert forced.choices[0].message.content == "xxxxx"
+    with pytest.raises(openai.BadRequestError, match="not in this model's vocabulary") as info:
+        client.completions.create(model="tiny-test", prompt="x", max_tokens=1, logit_bias={"99999": 1})
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "logit_bias"
+
+
 def test_unknown_v1_route_is_openais_404(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.post("/frobnicate", body={}, cast_to=dict)

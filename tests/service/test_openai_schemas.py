@@ -44,6 +44,8 @@ def test_neutral_values_some_clients_always_send_are_accepted() -> None:
     })
     ChatCompletionRequest.model_validate({**CHAT, "tool_choice": "auto", "parallel_tool_calls": True,
                                           "metadata": {"app": "x"}})
+    biased = ChatCompletionRequest.model_validate({**CHAT, "logit_bias": {"5": -100, "17": 2.5}})
+    assert biased.bias_pairs() == ((5, -100.0), (17, 2.5))
 
 
 @pytest.mark.parametrize(("body", "field", "says"), [
@@ -56,7 +58,9 @@ def test_neutral_values_some_clients_always_send_are_accepted() -> None:
     ({**CHAT, "store": True}, "store", "not stored"),
     ({**CHAT, "service_tier": "flex"}, "service_tier", "'auto'"),
     ({**CHAT, "response_format": {"type": "json_object"}}, "response_format", "JSON mode"),
-    ({**CHAT, "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+    ({**CHAT, "logit_bias": {"a": 5}}, "logit_bias", "token ids"),
+    ({**CHAT, "logit_bias": {"1": 5, "01": 3}}, "logit_bias", "twice"),
+    ({**CHAT, "logit_bias": {"1": 101}}, "logit_bias", "[-100, 100]"),
     ({**CHAT, "frobnicate": 1}, "frobnicate", "Extra inputs"),
     ({**CHAT, "temperature": True}, "temperature", "valid number"),
     ({**CHAT, "temperature": math.nan}, "temperature", "finite"),
