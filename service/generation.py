@@ -17,7 +17,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.requests import Request
@@ -178,30 +178,44 @@ async def _drain(gen: Generation, out: Completed) -> None:
 
 async def collect(request: Request, gen: Generation) -> Completed:
     """Run a generation to its end; a client disconnect cancels it and frees the slot."""
-    out = Completed()
-    consume = asyncio.ensure_future(_drain(gen, out))
-    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    return (await collect_all(request, [gen]))[0]
+
+
+async def collect_all(request: Request, gens: Sequence[Generation]) -> list[Completed]:
+    """Run generations to their ends, side by side (several prompts of one request); a client
+    disconnect cancels them all and frees their slots."""
+    outs = [Completed() for _ in gens]
+    consumers = [asyncio.ensure_future(_drain(gen, out)) for gen, out in zip(gens, outs, strict=True)]
+    everything: asyncio.Future[Any] = asyncio.gather(*consumers, return_exceptions=True)
+    watch: asyncio.Future[Any] = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        await asyncio.wait({consume, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({everything, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not consume.done():
-            consume.cancel()
-        # Let the consumer finish unwinding first: closing a generator that is still running in
+        for consume in consumers:
+            if not consume.done():
+                consume.cancel()
+        # Let the consumers finish unwinding first: closing a generator that is still running in
         # another task raises. Shielded, as cancellation of this handler must not skip the close.
         with anyio.CancelScope(shield=True):
-            await asyncio.wait({consume})
-            await gen.aclose()
-    if consume.cancelled() or not consume.done():
+            await asyncio.wait(consumers)
+            for gen in gens:
+                await gen.aclose()
+    if any(c.cancelled() for c in consumers):
         record_of(request).finish_reason = FinishReason.CANCELLED.value
         raise APIError(499, "client disconnected", code="client_disconnected")
-    consume.result()  # re-raise an unexpected failure (answered as a clean 500)
+    for consume, out in zip(consumers, outs, strict=True):
+        consume.result()  # re-raise an unexpected failure (answered as a clean 500)
+        _check_finished(out)
+    return outs
+
+
+def _check_finished(out: Completed) -> None:
     if not out.events or out.final.finish_reason is None:
         raise APIError(500, "the generation ended without a finish reason", code="incomplete_generation")
     if out.final.finish_reason is FinishReason.ERROR:
         reason = out.final.error or "engine error"
         raise APIError(500, f"generation failed: {reason}", code="generation_error")
-    return out
 
 
 def elapsed_since_arrival(request: Request) -> float:

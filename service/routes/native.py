@@ -32,6 +32,7 @@ from service.schemas.native import (
     Token,
     TokenizeRequest,
 )
+from service.schemas.openai import MAX_PROMPTS
 from service.settings import Settings
 from service.sse import sse_event
 
@@ -266,7 +267,7 @@ async def info(engine: EngineDep, settings: SettingsDep) -> Info:
         max_input_tokens=max_input,
         max_total_tokens=min(window, settings.max_prompt_tokens + settings.max_new_tokens),
         validation_workers=1,  # prompts are encoded on one thread beside the loop (service/encoding.py)
-        max_client_batch_size=1,
+        max_client_batch_size=MAX_PROMPTS,  # prompts in one /v1/completions request
         max_prompt_tokens=settings.max_prompt_tokens,
         max_new_tokens=settings.max_new_tokens,
         max_top_n_tokens=settings.max_top_n_tokens,

@@ -22,7 +22,14 @@ from service.deps import EngineDep, SettingsDep
 from service.encoding import encode
 from service.engine.types import SamplingParams
 from service.errors import APIError
-from service.generation import Generation, check_limits, collect, sse_response, start_generation
+from service.generation import (
+    Generation,
+    check_limits,
+    collect,
+    collect_all,
+    sse_response,
+    start_generation,
+)
 from service.routes.openai_format import (
     DONE,
     ChatChunks,
@@ -154,31 +161,54 @@ def _model_card(engine: Any) -> ModelCard:
 @router.post("/completions", response_model=CompletionResponse, responses=_SSE_DOC)
 async def completions(body: CompletionRequest, request: Request, engine: EngineDep,
                       settings: SettingsDep) -> Response | CompletionResponse:
-    """Text completion of one prompt (OpenAI's legacy completions API)."""
+    """Text completion of a prompt, or of several (one choice each; OpenAI's legacy completions API)."""
     model = _served_model(engine)
     top_n = body.logprobs or 0
     max_tokens = body.max_tokens if body.max_tokens is not None else min(COMPLETIONS_MAX_TOKENS,
                                                                           settings.max_new_tokens)
     params = _sampling_params(body, settings, max_tokens=max_tokens, extra_stop=[],
                               logprobs=body.logprobs is not None, top_n=top_n)
-    prompt = body.prompt_input()
+    prompts = body.prompt_inputs()
     vocab = engine.tokenizer.vocab_size
-    if isinstance(prompt, list) and (bad := next((t for t in prompt if t >= vocab), None)) is not None:
-        raise APIError(422, f"prompt: token id {bad} is not in this model's vocabulary [0, {vocab})",
-                       code="invalid_token_id", param="prompt")
-    gen = await start_generation(request, engine, prompt, params, param="prompt")
+    for prompt in prompts:
+        if isinstance(prompt, list) and (bad := next((t for t in prompt if t >= vocab), None)) is not None:
+            raise APIError(422, f"prompt: token id {bad} is not in this model's vocabulary [0, {vocab})",
+                           code="invalid_token_id", param="prompt")
+    if body.stream and len(prompts) > 1:
+        raise APIError(422, f"prompt: {len(prompts)} prompts cannot share one stream here; stream "
+                       "one prompt per request, or send them without `stream`", code="unsupported",
+                       param="prompt")
     reply = Reply.new("cmpl", model, engine.tokenizer)
     if body.stream:
+        gen = await start_generation(request, engine, prompts[0], params, param="prompt")
         render = CompletionChunks(reply, body.logprobs, body.include_usage())
         return _sse(gen, render, settings)
-    done = await collect(request, gen)
-    logprobs = None
-    if body.logprobs is not None:
-        builder = CompletionLogprobsBuilder(reply, top_n)
-        for event in done.tokens:
-            builder.add(event)
-        logprobs = builder.take()
-    return completion_response(reply, done.text, done.final, logprobs)
+    gens = await _start_all(request, engine, prompts, params)
+    results = []
+    for done in await collect_all(request, gens):
+        logprobs = None
+        if body.logprobs is not None:
+            builder = CompletionLogprobsBuilder(reply, top_n)
+            for event in done.tokens:
+                builder.add(event)
+            logprobs = builder.take()
+        results.append((done.text, done.final, logprobs))
+    return completion_response(reply, results)
+
+
+async def _start_all(request: Request, engine: Any, prompts: list[str | list[int]],
+                     params: SamplingParams) -> list[Generation]:
+    """One generation per prompt; if one is refused (a full queue, say), those already started
+    are cancelled and the whole request gets that refusal."""
+    gens: list[Generation] = []
+    try:
+        for prompt in prompts:
+            gens.append(await start_generation(request, engine, prompt, params, param="prompt"))
+    except BaseException:
+        for gen in gens:
+            await gen.aclose()
+        raise
+    return gens
 
 
 @router.post("/chat/completions", response_model=ChatCompletionResponse, responses=_SSE_DOC)

@@ -112,12 +112,22 @@ class CompletionLogprobsBuilder:
 # ------------------------------------------------------------------ whole responses
 
 
-def completion_response(reply: Reply, text: str, last: TokenEvent,
-                        logprobs: CompletionLogprobs | None) -> CompletionResponse:
-    assert last.finish_reason is not None
-    choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason(last.finish_reason))
-    return CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=[choice],
-                              usage=usage_of(last))
+def completion_response(
+    reply: Reply, results: list[tuple[str, TokenEvent, CompletionLogprobs | None]]
+) -> CompletionResponse:
+    """One choice per prompt's (text, last event, logprobs), `index` in the order given; usage
+    summed over them."""
+    choices, usages = [], []
+    for i, (text, last, logprobs) in enumerate(results):
+        assert last.finish_reason is not None
+        choices.append(CompletionChoice(index=i, text=text, logprobs=logprobs,
+                                        finish_reason=finish_reason(last.finish_reason)))
+        usages.append(usage_of(last))
+    usage = Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
+                  completion_tokens=sum(u.completion_tokens for u in usages),
+                  total_tokens=sum(u.total_tokens for u in usages))
+    return CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=choices,
+                              usage=usage)
 
 
 def chat_response(reply: Reply, text: str, last: TokenEvent,

@@ -222,7 +222,7 @@ class Info(BaseModel):
     max_total_tokens: int = Field(description="Prompt plus generated tokens the model attends to at "
                                   "once: its window (longer generations shift the context).")
     validation_workers: int = Field(description="Threads that tokenize prompts beside the event loop.")
-    max_client_batch_size: int = Field(description="Prompts in one request.")
+    max_client_batch_size: int = Field(description="Prompts in one /v1/completions request.")
     router: str = "nanoserve"
     version: str
     sha: str | None = None

@@ -24,6 +24,9 @@ from pydantic_core import PydanticCustomError
 
 from service.schemas.common import MAX_COUNT
 
+MAX_PROMPTS = 16  # prompts in one completions request (each is a request of the engine's)
+PromptField = str | list[str] | list[int] | list[list[int]]
+
 # Strict: no str -> number or bool -> number coercion; NaN/inf refused on every float.
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -140,8 +143,9 @@ class GenerationRequest(BaseModel):
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] = Field(
-        description="A string, a list holding one string, or a list of token ids."
+    prompt: PromptField = Field(
+        description=f"A string, a list of token ids, or up to {MAX_PROMPTS} of either in a list (one "
+        "choice each, `index` in the order given)."
     )
     max_tokens: int | None = Field(
         None, ge=1, le=MAX_COUNT, description="Tokens to generate; null or omitted: 16 (OpenAI's default)."
@@ -153,14 +157,17 @@ class CompletionRequest(GenerationRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: str | list[str] | list[int]) -> str | list[str] | list[int]:
+    def _prompts(cls, v: PromptField) -> PromptField:
         if isinstance(v, list):
             if not v:
                 raise _invalid("prompt must not be an empty list")
-            if isinstance(v[0], str) and len(v) != 1:
-                raise _unsupported("prompt", f"a batch of {len(v)} prompts; send one prompt per request")
-            if isinstance(v[0], int) and any(not 0 <= t <= MAX_COUNT for t in v):  # type: ignore[operator]
-                raise _invalid(f"token ids must be in [0, {MAX_COUNT}]")
+            if not isinstance(v[0], int) and len(v) > MAX_PROMPTS:
+                raise _invalid(f"prompt holds {len(v)} prompts; at most {MAX_PROMPTS} in one request")
+            for ids in [v] if isinstance(v[0], int) else [p for p in v if isinstance(p, list)]:
+                if not ids:
+                    raise _invalid("a prompt of token ids must not be empty")
+                if any(not 0 <= t <= MAX_COUNT for t in ids):  # type: ignore[operator]
+                    raise _invalid(f"token ids must be in [0, {MAX_COUNT}]")
         return v
 
     @field_validator("echo")
@@ -184,12 +191,12 @@ class CompletionRequest(GenerationRequest):
             raise _unsupported("best_of", f"got {v}; only 1")
         return v
 
-    def prompt_input(self) -> str | list[int]:
-        """The prompt as `Engine.generate` takes it: text or token ids."""
-        if isinstance(self.prompt, str):
-            return self.prompt
-        first = self.prompt[0]
-        return first if isinstance(first, str) else list(self.prompt)  # type: ignore[arg-type]
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """Each prompt as `Engine.generate` takes it: text or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
 
 class ChatMessage(BaseModel):

@@ -3,6 +3,7 @@ right status for each failure, and request ids / access logs."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -278,6 +279,24 @@ async def test_probes_are_logged_at_debug_level(client: AppClient, caplog: pytes
         await client.get("/nope")
     levels = {rec.fields["route"]: rec.levelno for rec in caplog.records if rec.name == "nanoserve.access"}  # type: ignore[attr-defined]
     assert levels == {"/ready": logging.DEBUG, "/nope": logging.INFO}
+
+
+async def test_several_prompts_run_all_or_none(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    # One slot and two queue places: four prompts cannot all be admitted, so none runs (429), and
+    # those already submitted are cancelled (their slot and places free within a step or two).
+    endless = 10**6  # those started would run for minutes unless cancelled
+    async with asgi_client(tiny_checkpoint, max_seqs=1, max_queue=2, max_waiting_per_client=2,
+                           max_new_tokens=endless) as client:
+        body = {"prompt": ["a", "b", "c", "d"], "max_tokens": endless}
+        assert_error(await client.post("/v1/completions", json=body), 429, code="overloaded")
+        engine = client.app.state.engine
+        for _ in range(100):
+            if engine.stats().running == 0 and engine.stats().waiting == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert engine.stats().running == 0 and engine.stats().waiting == 0
+        ok = await client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2})
+        assert ok.status_code == 200 and [c["index"] for c in ok.json()["choices"]] == [0, 1]
 
 
 async def test_a_chat_over_the_prompt_cap_is_refused_not_trimmed(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]

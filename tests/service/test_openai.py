@@ -241,8 +241,19 @@ def test_prompt_forms_and_unknown_model(client: openai.OpenAI, checkpoint: Check
     assert as_text.choices[0].text == as_ids.choices[0].text == as_list.choices[0].text
     with pytest.raises(openai.BadRequestError, match="token id 5000 is not in"):
         client.completions.create(model="tiny-test", prompt=[1, 5000], max_tokens=1)
-    with pytest.raises(openai.BadRequestError, match="one prompt per request"):
-        client.completions.create(model="tiny-test", prompt=["a", "b"], max_tokens=1)
+    # Several prompts: one choice each, in the order given, usage summed.
+    several = client.completions.create(model="tiny-test", prompt=["Hath", "ROMEO", "Hath"],
+                                        max_tokens=6, temperature=0)
+    assert [c.index for c in several.choices] == [0, 1, 2]
+    alone = client.completions.create(model="tiny-test", prompt="ROMEO", max_tokens=6, temperature=0)
+    texts = [c.text for c in several.choices]
+    assert texts == [as_text.choices[0].text, alone.choices[0].text, as_text.choices[0].text]
+    assert several.usage is not None and several.usage.completion_tokens == 18
+    as_ids_twice = client.completions.create(model="tiny-test", prompt=[ids, ids], max_tokens=6,
+                                             temperature=0)
+    assert [c.text for c in as_ids_twice.choices] == [as_text.choices[0].text] * 2
+    with pytest.raises(openai.BadRequestError, match="cannot share one stream"):
+        client.completions.create(model="tiny-test", prompt=["a", "b"], max_tokens=1, stream=True)
     # `model` does not choose (one model is served): any name gets the served model's answer.
     other = client.completions.create(model="gpt-4", prompt="Hath", max_tokens=6, temperature=0)
     assert other.model == "tiny-test" and other.choices[0].text == as_text.choices[0].text

@@ -28,8 +28,12 @@ def test_supported_fields_are_accepted() -> None:
         "n": 1, "response_format": {"type": "text"}, "logit_bias": {},
     })
     assert req.token_limit() == 5 and req.stop_list() == ["\n"] and req.include_usage()
-    assert CompletionRequest.model_validate({"prompt": ["one"]}).prompt_input() == "one"
-    assert CompletionRequest.model_validate({"prompt": [5, 6]}).prompt_input() == [5, 6]
+    assert CompletionRequest.model_validate({"prompt": ["one"]}).prompt_inputs() == ["one"]
+    assert CompletionRequest.model_validate({"prompt": [5, 6]}).prompt_inputs() == [[5, 6]]
+    assert CompletionRequest.model_validate({"prompt": "x"}).prompt_inputs() == ["x"]
+    several = CompletionRequest.model_validate({"prompt": [[1, 2], [3]]}).prompt_inputs()
+    assert several == [[1, 2], [3]]
+    assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompt_inputs() == ["a", "b"]
     # Omitted and null are the same: the route then uses OpenAI's default of 16.
     assert CompletionRequest.model_validate({"prompt": "x"}).max_tokens is None
     assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": None}).max_tokens is None
@@ -83,7 +87,8 @@ def test_chat_refusals_name_the_field(body: dict, field: str, says: str) -> None
 
 
 @pytest.mark.parametrize(("body", "field", "says"), [
-    ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    ({"prompt": ["a"] * 17}, "prompt", "at most 16"),
+    ({"prompt": [[1], []]}, "prompt", "must not be empty"),
     ({"prompt": []}, "prompt", "empty"),
     ({"prompt": "x", "echo": True}, "echo", "not supported"),
     ({"prompt": "x", "best_of": 3}, "best_of", "not supported"),
