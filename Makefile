@@ -5,11 +5,13 @@ PIP := $(VENV)/bin/pip
 # The CPU build of torch first: an unpinned torch could resolve to a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install serve test lint cwarnings bench clean
+.PHONY: install serve test lint cwarnings sanitize bench clean
 
-# decode.c and the parts it includes: `pip install -e .` compiles the native decode step, so a
-# change to them reinstalls.
-$(VENV)/.installed: pyproject.toml $(wildcard service/engine/native/*.c service/engine/native/*.h)
+# The native step's sources, its header and the fragments decode.c includes: `pip install -e .`
+# compiles them, so a change to them reinstalls.
+NATIVE := service/engine/native
+NATIVE_SOURCES := $(NATIVE)/decode.c $(NATIVE)/abi.c
+$(VENV)/.installed: pyproject.toml $(wildcard $(NATIVE)/*.c $(NATIVE)/*.h $(NATIVE)/*.inc)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH_SPEC)"
@@ -34,10 +36,24 @@ lint: install cwarnings
 # The native step compiles clean with warnings on (pyproject builds it with the same flags, without
 # -Werror so that a newer compiler's new warning never stops an install).
 cwarnings:
-	$(CC) -O3 -std=c11 -Wall -Wextra -Werror -fPIC -c service/engine/native/decode.c -o /dev/null
+	for src in $(NATIVE_SOURCES); do $(CC) -O3 -std=c11 -Wall -Wextra -Werror -fPIC -c $$src -o /dev/null || exit 1; done
+
+# The native step built with AddressSanitizer and UBSan (any finding stops the test that met it),
+# and its tests run on that build. The python that loads it is not instrumented, so the ASan
+# runtime is preloaded; leak checking is off (it would report the interpreter's own allocations).
+SANITIZED := build/sanitize/_decode.so
+NATIVE_TESTS := tests/service/engine/test_native_step.py tests/service/engine/test_native_sampler.py \
+                tests/service/engine/test_native_abi.py
+sanitize: install
+	mkdir -p $(dir $(SANITIZED))
+	$(CC) -O3 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all \
+	    -std=c11 -Wall -Wextra -fPIC -shared $(NATIVE_SOURCES) -o $(SANITIZED) -lm
+	LD_PRELOAD=$$($(CC) -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 \
+	    UBSAN_OPTIONS=print_stacktrace=1 NANOSERVE_TEST_NATIVE_LIBRARY=$(SANITIZED) \
+	    $(PY) -m pytest -q -p no:cacheprovider $(NATIVE_TESTS)
 
 bench: install
-	$(PY) bench/engine.py
+	$(PY) -m bench.engine_throughput
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

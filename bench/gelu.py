@@ -2,14 +2,13 @@
 SigmoidGELU) and oneDNN's fused post-op, over the activation sizes a decode step and a prefill
 produce. Picks the sizes where SigmoidGELU uses its sigmoid form; run it on a new kind of CPU.
 
-    python bench/gelu.py [--threads 2] [--out bench/results/gelu]
+    python -m bench.gelu [--threads 2] [--out bench/results/gelu]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,8 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.engine import RESULTS, load_avg, machine
+from bench.record import RESULTS, load_avg, machine
 from service.engine.packed_linear import SigmoidGELU, sigmoid_gelu
 
 ROWS = [1, 8, 16, 32, 64, 128, 1024]
@@ -53,7 +51,7 @@ def row(rows: int, width: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gelu", description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default=str(RESULTS / "gelu"))
     args = ap.parse_args(argv)

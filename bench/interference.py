@@ -1,6 +1,6 @@
 """How much does other CPU work on the same cores cost the engine? (Why HTTP trails in-process.)
 
-    python bench/interference.py [--share 0.15] [--repeats 2]
+    python -m bench.interference [--share 0.15] [--repeats 2]
 
 Runs bench/serving.py's in-process load (shipped checkpoint, 32 clients, 256 requests x 64 new
 tokens) three ways, alternating, `--repeats` times:
@@ -16,21 +16,18 @@ in the second. Writes bench/results/interference.json and .md. Not a test: nothi
 from __future__ import annotations
 
 import argparse
-import subprocess
+import multiprocessing as mp
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.engine import load_avg, machine, write_results
+from bench.record import RESULTS, load_avg, machine, write_results
 from bench.serving import in_process
 from service.engine.threads import single_threaded_elsewhere
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
 PERIOD_S = 0.004
 
 
@@ -45,20 +42,19 @@ def busy_loop(share: float, stop: threading.Event | None = None) -> None:
 
 def run(way: str, share: float, checkpoint: Path) -> dict[str, Any]:
     stop = threading.Event()
-    other: subprocess.Popen[bytes] | None = None
+    other: mp.process.BaseProcess | None = None
     if way == "process":
-        code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); "
-                f"from bench.interference import busy_loop; busy_loop({share})")
-        other = subprocess.Popen([sys.executable, "-c", code])
+        other = mp.get_context("spawn").Process(target=busy_loop, args=(share,), daemon=True)
+        other.start()
     elif way == "thread":
         threading.Thread(target=busy_loop, args=(share, stop), daemon=True).start()
     try:
-        return in_process(checkpoint, 32, 256, 64, "ROMEO:")
+        return in_process(checkpoint, 32, 256, 64, "ROMEO:", "float32", 0)
     finally:
         stop.set()
         if other is not None:
             other.kill()
-            other.wait()
+            other.join()
 
 
 def each(runs: list[dict[str, Any]]) -> str:
@@ -66,7 +62,7 @@ def each(runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.interference", description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "shakespeare-char"))
     ap.add_argument("--share", type=float, default=0.15, help="fraction of one core the other work uses")
     ap.add_argument("--repeats", type=int, default=2)

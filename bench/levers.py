@@ -1,14 +1,18 @@
-"""Extra measurements for bench/engine.py: each engine lever off vs on, and the two cropping
+"""Extra measurements for bench/engine_throughput.py: each engine lever off vs on, and the two cropping
 policies past the window. Same process, same prompts, back to back with the default engine."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from bench.peer_runs import bench_engine
+from bench.shapes import make_checkpoint, prompts_for
+from bench.throughput_runs import Run, ShapeResult
+
 LEVERS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     # (name, EngineConfig overrides, SamplingParams overrides)
-    ("no native step (oneDNN packed linears)", {"native_step": False}, {}),
-    ("no native step, no oneDNN packing", {"native_step": False, "packed_linear": False}, {}),
+    ("no native step (oneDNN packed linears)", {"backend": "torch"}, {}),
+    ("no native step, no oneDNN packing", {"backend": "torch", "packed_linear": False}, {}),
     ("KV cache bfloat16", {"kv_cache_dtype": "bfloat16"}, {}),
     # bf16 models: the widening kernels (float32 inputs) instead of a tile level (AVX512-BF16 or
     # AMX, inputs rounded to bf16); float32 models run avx512 anyway (the same as the default).
@@ -19,7 +23,7 @@ LEVERS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 ]
 
 
-def lever_table(results: list[Any]) -> str:
+def lever_table(results: list[ShapeResult]) -> str:
     lines = [
         "| model | dtype | conc | variant | tok/s | step ms | ratio to default |",
         "|---|---|---|---|---|---|---|",
@@ -35,10 +39,8 @@ def lever_table(results: list[Any]) -> str:
     return "\n".join(lines)
 
 
-def crop_runs(prompt_len: int = 236, new: int = 100) -> list[Any]:
+def crop_runs(prompt_len: int = 236, new: int = 100) -> list[Run]:
     """10.7M model (window 256): generation runs `prompt_len + new - 256` tokens past the window."""
-    from bench.engine import bench_engine, make_checkpoint, prompts_for
-
     ckpt = make_checkpoint("10.7M", "float32")
     prompts = prompts_for(ckpt, 4, prompt_len)
     runs = []
@@ -49,7 +51,7 @@ def crop_runs(prompt_len: int = 236, new: int = 100) -> list[Any]:
     return runs
 
 
-def crop_table(runs: list[Any]) -> str:
+def crop_table(runs: list[Run]) -> str:
     lines = ["| conc | policy | tok/s | ratio to shift |", "|---|---|---|---|"]
     for r in runs:
         shift = next(x for x in runs if x.peer == "shift" and x.concurrency == r.concurrency)

@@ -1,4 +1,4 @@
-"""The llama.cpp peer for bench/engine.py: llama-cpp-python on a GGUF conversion of the exported
+"""The llama.cpp peer for bench/engine_throughput.py: llama-cpp-python on a GGUF conversion of the exported
 Hugging Face GPT-2 weights (the same weights every other peer runs).
 
 The conversion mirrors llama.cpp's own GPT-2 converter: HF names -> GGUF names, GPT-2's Conv1D
@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from bench.throughput_runs import Run
 
 if TYPE_CHECKING:
     import torch
@@ -167,7 +169,9 @@ class LlamaRunner:
 _gguf_cache: dict[tuple[str, str], Path] = {}
 
 
-def bench_llama(hf_dir: Path, ckpt: Any, conc: int, prompts: list[list[int]], new: int, threads: int) -> Any:
+def bench_llama(
+    hf_dir: Path, ckpt: Any, conc: int, prompts: list[list[int]], new: int, threads: int
+) -> Run | None:
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -178,7 +182,6 @@ def bench_llama(hf_dir: Path, ckpt: Any, conc: int, prompts: list[list[int]], ne
     except ImportError:
         _skip("the gguf package is not installed (pip install gguf)")
         return None
-    from bench.engine import Run
 
     key = (ckpt.name, ckpt.dtype)
     if key not in _gguf_cache:

@@ -6,8 +6,8 @@ ended without its final event), ended by a server `event: error`, a transport fa
 disconnected on purpose (`disconnect_after`). Latencies are measured from the moment the request is
 sent, so time spent queued in the server counts towards time to first token.
 
-    .venv/bin/python bench/load.py --url http://127.0.0.1:8000 -c 16 -n 200 --max-new-tokens 64
-    .venv/bin/python bench/load.py --url http://127.0.0.1:8000 -c 8 --duration 30 --route chat --json
+    .venv/bin/python -m bench.load --url http://127.0.0.1:8000 -c 16 -n 200 --max-new-tokens 64
+    .venv/bin/python -m bench.load --url http://127.0.0.1:8000 -c 8 --duration 30 --route chat --json
 
 Importable: `run_load(LoadConfig(...))` returns a `LoadReport` whose `results` keep every request's
 stream as the client saw it, so tests can compare them with the server's own counters.
@@ -511,7 +511,8 @@ def format_report(summary: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[LoadConfig, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p = argparse.ArgumentParser(prog="python -m bench.load",
+                                description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("-c", "--concurrency", type=int, default=8)
     p.add_argument("-n", "--requests", type=int, default=None,

@@ -1,6 +1,6 @@
 """Memory: what each peer holds resident to serve the same model, measured in the same run.
 
-    python bench/memory.py [--shapes 10.7M 124M] [--dtypes float32 bfloat16] [-c 8] [--new 64]
+    python -m bench.memory [--shapes 10.7M 124M] [--dtypes float32 bfloat16] [-c 8] [--new 64]
 
 Every peer loads the same random GPT-2-architecture weights from disk, in a fresh process of its
 own, generates `c` sequences of `--new` tokens after 16-token prompts (so its KV cache is in use),
@@ -30,10 +30,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
 PROMPT_TOKENS = 16
 
 
@@ -54,7 +50,7 @@ def _engine_alone(ckpt_dir: str, dtype: str, prompts: list[list[int]], new: int,
     from service.engine.threads import single_threaded_elsewhere
 
     single_threaded_elsewhere()
-    from bench.engine import _engine_run
+    from bench.peer_runs import generate_batch
     from model.checkpoint import load_checkpoint
     from service.engine.config import EngineConfig
     from service.engine.engine import Engine
@@ -69,7 +65,7 @@ def _engine_alone(ckpt_dir: str, dtype: str, prompts: list[list[int]], new: int,
 
     async def go() -> None:
         await engine.warmup()
-        await _engine_run(engine, prompts, new)
+        await generate_batch(engine, prompts, new)
         await engine.shutdown(0.0)
 
     asyncio.run(go())
@@ -79,7 +75,8 @@ def _engine_alone(ckpt_dir: str, dtype: str, prompts: list[list[int]], new: int,
 def _hf(hf_dir: str, dtype: str, prompts: list[list[int]], new: int) -> dict[str, float]:
     from transformers import GPT2LMHeadModel
 
-    from bench.engine import DTYPES, bench_hf
+    from bench.peer_runs import bench_hf
+    from bench.shapes import DTYPES
 
     model = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=DTYPES[dtype]).eval()
     bench_hf(model, len(prompts), prompts, new)
@@ -105,7 +102,6 @@ def _bare() -> dict[str, float]:
 
 
 def _child(conn: Any, fn: str, args: tuple[Any, ...]) -> None:
-    sys.path.insert(0, str(REPO))
     try:
         conn.send((True, globals()[fn](*args)))
     except Exception as exc:  # reported by the driver
@@ -150,8 +146,8 @@ def _server(ckpt_dir: Path, dtype: str, prompts: list[list[int]], new: int, cont
 
 
 def run_shape(shape: str, dtype: str, conc: int, new: int, context: int, work: Path) -> dict[str, Any]:
-    from bench.engine import make_checkpoint, prompts_for
     from bench.llama_peer import convert_to_gguf
+    from bench.shapes import make_checkpoint, prompts_for
     from model.checkpoint import save_checkpoint
     from model.hf import export_hf
 
@@ -195,9 +191,9 @@ def table_row(shape: str, dtype: str, rows: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.engine import load_avg, machine, write_results
+    from bench.record import RESULTS, load_avg, machine, write_results
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["10.7M", "124M"])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("-c", "--concurrency", type=int, default=8)

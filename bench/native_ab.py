@@ -1,9 +1,9 @@
 """Two builds of the native step, alternating in one process: is a change to decode.c faster?
 
-    python bench/native_ab.py --base 8c7ce8a [--head WORKTREE] [--shape 10.7M] [--dtype bfloat16]
+    python -m bench.native_ab --base 8c7ce8a [--head WORKTREE] [--shape 10.7M] [--dtype bfloat16]
                               [--rows 1,8,32,64,32x16] [--position 40] [--rounds 8] [--steps 40]
 
-Builds service/engine/native/decode.c (with the headers beside it) at two git revisions (--head
+Builds service/engine/native/ (decode.c with its fragments, abi.c) at two git revisions (--head
 WORKTREE: the files as they are on disk) with gcc -O3, loads each into its own NativeStep over the
 same random weights and the same KV cache contents, checks that both give the same logits (the
 native step's changes are meant to keep every bit), then times them in turns: each round runs
@@ -31,9 +31,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.engine import DTYPES, SHAPES, machine
+from bench.record import machine
+from bench.shapes import DTYPES, SHAPES
 from bench.timing import round_medians_s
 from model.config import GPTConfig
 from model.gpt import GPT
@@ -50,17 +49,18 @@ def build(revision: str, out: Path) -> Path:
     src = Path(tempfile.mkdtemp(prefix=f"src-{revision}-", dir=out))  # a revision may come twice
     if revision == "WORKTREE":
         for f in (REPO / NATIVE).iterdir():
-            if f.suffix in (".c", ".h"):
+            if f.suffix in (".c", ".h", ".inc"):
                 (src / f.name).write_bytes(f.read_bytes())
     else:
         names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{NATIVE}"], cwd=REPO,
                                check=True, capture_output=True, text=True).stdout.split()
-        for name in (n for n in names if n.endswith((".c", ".h"))):
+        for name in (n for n in names if n.endswith((".c", ".h", ".inc"))):
             blob = subprocess.run(["git", "show", f"{revision}:{NATIVE}/{name}"], cwd=REPO, check=True,
                                   capture_output=True).stdout
             (src / name).write_bytes(blob)
     lib = src / f"{revision}.so"
-    cc = ["gcc", "-O3", "-std=c11", "-fPIC", "-shared", str(src / "decode.c"), "-o", str(lib), "-lm"]
+    sources = sorted(str(c) for c in src.glob("*.c"))  # decode.c, and abi.c where the revision has it
+    cc = ["gcc", "-O3", "-std=c11", "-fPIC", "-shared", *sources, "-o", str(lib), "-lm"]
     subprocess.run(cc, check=True)
     return lib
 
@@ -84,7 +84,7 @@ def step_for(lib: Path, model: GPT, cfg: GPTConfig, slots: int, dtype: torch.dty
         gen = torch.Generator().manual_seed(1)
         for layer in cache.layers:
             for t in (layer.k, layer.v):
-                assert t is not None
+                assert isinstance(t, torch.Tensor)
                 t.copy_(torch.randn(t.shape, generator=gen))
         return NativeStep(copy.deepcopy(model), cache, max_threads=torch.get_num_threads(), max_rows=2048,
                           hold_once=True)
@@ -126,7 +126,8 @@ def compare(steps: list[NativeStep], spec: str, position: int, n: int, rounds: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.native_ab", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="git revision (or WORKTREE)")
     ap.add_argument("--head", default="WORKTREE", help="git revision (or WORKTREE, the default)")
     ap.add_argument("--shape", default="10.7M", choices=sorted(SHAPES))
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="also write the table to this file")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = GPTConfig(**SHAPES[args.shape])
+    cfg = SHAPES[args.shape]
     torch.manual_seed(0)
     model = GPT(cfg).to(DTYPES[args.dtype]).eval()
     specs = args.rows.split(",")

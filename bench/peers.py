@@ -1,4 +1,4 @@
-"""Each peer of bench/engine.py in a process of its own, kept for a whole model shape.
+"""Each peer of bench/engine_throughput.py in a process of its own, kept for a whole model shape.
 
 Why processes: torch and llama.cpp share one OpenMP runtime (libgomp) per process, and an
 OpenMP thread pool left behind by one peer (its worker threads outlive the measurement) slows
@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import sys
 import traceback
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+import torch
+
+from bench.limits import measure_limits, model_costs
+from bench.llama_peer import bench_llama
+from bench.peer_runs import bench_engine, bench_hf, bench_naive, hf_model
+from bench.shapes import DTYPES, make_checkpoint, prompts_for
+from service.engine.threads import single_threaded_elsewhere
+from service.heap import freeze_startup_heap
+
 PEERS = ("engine", "hf", "naive", "llama.cpp")
 
 
@@ -55,20 +61,12 @@ class PeerProcess:
 
 def _worker(conn: Connection, peer: str, shape: str, dtype: str, threads: int, prompt_tokens: int,
             n_prompts: int) -> None:
-    sys.path.insert(0, str(REPO))
-    import torch
-
-    from service.engine.threads import single_threaded_elsewhere
-    from service.heap import freeze_startup_heap
-
     if peer == "engine":
         single_threaded_elsewhere()  # the engine thread takes `threads` (cpu_threads)
     else:
         torch.set_num_threads(threads)
-    from bench import engine as bench
-
-    ckpt = bench.make_checkpoint(shape, dtype)
-    prompts = bench.prompts_for(ckpt, n_prompts, prompt_tokens)
+    ckpt = make_checkpoint(shape, dtype)
+    prompts = prompts_for(ckpt, n_prompts, prompt_tokens)
     state: dict[str, Any] = {}
     # Every peer alike: the start-up heap (torch, transformers, ...) out of the cyclic GC, as
     # `nanoserve serve` does, so a 140-160 ms full collection (seen in the first runs) does not
@@ -79,31 +77,29 @@ def _worker(conn: Connection, peer: str, shape: str, dtype: str, threads: int, p
         if request is None:
             return
         try:
-            conn.send((True, _handle(request, peer, ckpt, prompts, threads, state, bench)))
+            conn.send((True, _handle(request, peer, ckpt, prompts, threads, state)))
         except Exception:
             conn.send((False, traceback.format_exc()))
 
 
 def _handle(request: tuple[Any, ...], peer: str, ckpt: Any, prompts: list[list[int]], threads: int,
-            state: dict[str, Any], bench: Any) -> Any:
+            state: dict[str, Any]) -> Any:
     kind, *args = request
     if kind == "ready":  # answered once this process has built its model and prompts
         return True
     if kind == "limits":
-        dtype = bench.DTYPES[ckpt.dtype]
-        return bench.measure_limits(dtype, bench.model_costs(ckpt.config, dtype)[0])
+        dtype = DTYPES[ckpt.dtype]
+        return measure_limits(dtype, model_costs(ckpt.config, dtype)[0])
     conc, new, *extra = args
     if peer == "engine":
         cfg, params, name = extra if extra else ({}, None, "engine")
-        return bench.bench_engine(ckpt, conc, prompts, new, {"cpu_threads": threads, **cfg}, params, name)
+        return bench_engine(ckpt, conc, prompts, new, {"cpu_threads": threads, **cfg}, params, name)
     if peer == "naive":
         if "model" not in state:
             state["model"] = ckpt.build_model("cpu")
-        return bench.bench_naive(state["model"], conc, prompts, new)
+        return bench_naive(state["model"], conc, prompts, new)
     if "hf" not in state:
-        state["hf"] = bench.hf_model(ckpt)  # (model, exported directory)
+        state["hf"] = hf_model(ckpt)  # (model, exported directory)
     if peer == "hf":
-        return bench.bench_hf(state["hf"][0], conc, prompts, new, *extra)
-    from bench.llama_peer import bench_llama
-
+        return bench_hf(state["hf"][0], conc, prompts, new, *extra)
     return bench_llama(state["hf"][1], ckpt, conc, prompts, new, threads)

@@ -1,16 +1,16 @@
 """Sampled decoding end to end: the engine against Hugging Face generate(do_sample=True).
 
-    python bench/sampled.py [--shape 124M] [--dtypes bfloat16,float32] [--concurrency 1,32]
+    python -m bench.sampled [--shape 124M] [--dtypes bfloat16,float32] [--concurrency 1,32]
                             [--out bench/results/sampled]
 
-bench/engine.py measures greedy decoding; users mostly sample. Here both peers generate with the
+bench/engine_throughput.py measures greedy decoding; users mostly sample. Here both peers generate with the
 same settings: greedy for reference, temperature 1 alone, top_p 0.95, and top_k 50 + top_p 0.95
 (generate()'s default top_k with top_p). Each peer runs in a process of its own (bench/peers.py),
-taking turns `--repeats` times, the best run of each kept. The model is bench/engine.py's random
+taking turns `--repeats` times, the best run of each kept. The model is bench/shapes.py's random
 GPT-2-shape one: its next-token distributions are nearly uniform over 50,257 tokens, the costliest
 case for the engine's sampler (a nucleus of ~95% of the vocabulary) and any case for HF's, which
 sorts the whole vocabulary under top_p whatever the distribution. The same prompts and token
-counts as bench/engine.py (`--prompt-tokens`; `--new-tokens` 32 for every shape).
+counts as bench/engine_throughput.py (`--prompt-tokens`; `--new-tokens` 32 for every shape).
 Writes bench/results/sampled.json and sampled.md. Not a test: nothing here asserts a speed.
 """
 
@@ -20,13 +20,10 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.engine import RESULTS, load_avg, machine, write_results
 from bench.peers import PeerProcess
+from bench.record import RESULTS, load_avg, machine, write_results
 
 SETTINGS: dict[str, dict[str, float]] = {
     "greedy": {"temperature": 0.0},
@@ -71,7 +68,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.sampled", description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="124M")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--concurrency", default="1,32")
@@ -81,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default=str(RESULTS / "sampled"))
     args = ap.parse_args(argv)
-    started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_before": load_avg()}
+    started: dict[str, Any] = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               "load_before": load_avg()}
     concs = [int(c) for c in args.concurrency.split(",")]
     results = [r for dtype in args.dtypes.split(",") for r in run(args.shape, dtype, concs, args)]
     meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}

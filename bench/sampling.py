@@ -1,8 +1,8 @@
 """Sampling a step's tokens at GPT-2's vocabulary: the engine's candidates path vs the whole
 vocabulary, and Hugging Face's logits warpers, on the same logits in one process.
 
-    python bench/sampling.py [--rows 1,8,32] [--vocab 50257] [--out bench/results/sampling]
-    python bench/sampling.py --engine [--out bench/results/sampling-engine]
+    python -m bench.sampling [--rows 1,8,32] [--vocab 50257] [--out bench/results/sampling]
+    python -m bench.sampling --engine [--out bench/results/sampling-engine]
 
 The logits are synthetic, N(0, scale^2) per token, at scales from flat (a randomly initialised
 model's: nearly uniform over 50k tokens) to peaked; each table row gives the distribution's mean
@@ -14,7 +14,7 @@ Variants, alternating, median of `--steps` calls per round, best round kept:
   - HF: `transformers` processors and warpers (RepetitionPenaltyLogitsProcessor, then
     TemperatureLogitsWarper, TopK/TopP/MinP/TypicalLogitsWarper), softmax and
     `torch.multinomial`, as `generate(do_sample=True)` samples;
-  - native: the engine's native sampler (service/engine/native/sampler.h), which the runner uses
+  - native: the engine's native sampler (service/engine/native/sampler.inc), which the runner uses
     for every sampled row on CPU (so it is what the engine runs); its picks are compared with the
     whole vocabulary's and the differences counted.
 Settings include typical_p (every token, always) and a repetition penalty over 256 random tokens
@@ -33,14 +33,11 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.engine import RESULTS, load_avg, machine, write_results
+from bench.record import RESULTS, load_avg, machine, write_results
 from bench.timing import best_median_s
 from model.sampling import CANDIDATES, SamplingBatch, candidate_width, sample_tokens, seeded_uniform
 
@@ -109,14 +106,14 @@ def hf_sampler(params: dict[str, float], context: torch.Tensor) -> Callable[[tor
     chain = LogitsProcessorList(warpers)
 
     def sample(logits: torch.Tensor) -> torch.Tensor:
-        scores = chain(context, logits)
+        scores = chain(context, logits)  # type: ignore[arg-type]  # int64: a LongTensor at run time
         return torch.multinomial(scores.softmax(dim=-1), 1).view(-1)
 
     return sample
 
 
 def native_sampler() -> Callable[[torch.Tensor, SamplingBatch, torch.Tensor], torch.Tensor] | None:
-    """The engine's native sampler (service/engine/native/sampler.h) as the runner calls it, or
+    """The engine's native sampler (service/engine/native/sampler.inc) as the runner calls it, or
     None where the library is not built."""
     from model.config import GPTConfig
     from model.gpt import GPT
@@ -193,7 +190,8 @@ def run(rows_list: list[int], vocab: int, steps: int, rounds: int) -> list[dict[
 
 
 def run_engine(scale: float, conc: int) -> list[dict[str, Any]]:
-    from bench.engine import bench_engine, make_checkpoint, prompts_for
+    from bench.peer_runs import bench_engine
+    from bench.shapes import make_checkpoint, prompts_for
 
     ckpt = make_checkpoint("124M", "float32")
     ckpt.state_dict["wte.weight"] = ckpt.state_dict["wte.weight"] * scale
@@ -243,7 +241,7 @@ def differing(results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.sampling", description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--steps", type=int, default=7)
@@ -255,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_before": load_avg()}
+    started: dict[str, Any] = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               "load_before": load_avg()}
     if args.engine:
         runs = run_engine(args.scale, args.concurrency)
         meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}

@@ -1,6 +1,6 @@
 """HTTP vs in-process: is the server itself a bottleneck?
 
-    python bench/serving.py [--checkpoint checkpoints/shakespeare-char | --shape 10.7M|124M] [--dtype float32]
+    python -m bench.serving [--checkpoint checkpoints/shakespeare-char | --shape 10.7M|124M] [--dtype float32]
                             [-c 32] [-n 128] [--max-new-tokens 64] [--stream-intervals 1,4]
 
 The same engine settings and the same closed-loop load (c clients, n requests, the same prompt,
@@ -17,7 +17,7 @@ HTTP clients' pools do (`bench/load.py --new-connections` measures one per reque
 `--stream-intervals 1,4` measures both ways at each stream interval in every repeat (the server's
 `--stream-interval`; in-process, `Engine.generate(stream_interval=...)`), so each interval's
 ratio compares like with like.
-`--shape` serves one of #8's model shapes instead of a checkpoint: bench/engine.py's random
+`--shape` serves one of #8's model shapes instead of a checkpoint: bench/shapes.py's random
 weights, saved as a checkpoint in a temporary directory, with a prompt of 16 random tokens of its
 vocabulary (the engine bench's prompt length). The shipped checkpoint (4.8M parameters) is the
 smallest model, so HTTP's cost per token weighs most there.
@@ -36,15 +36,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.engine import SHAPES, load_avg, machine, random_model, random_prompts, write_results
 from bench.load import LoadConfig, new_tokens, percentiles, run_load, run_loop
+from bench.record import RESULTS, load_avg, machine, write_results
+from bench.shapes import SHAPES, random_model, random_prompts
 from service.engine.threads import single_threaded_elsewhere
 from service.heap import freeze_startup_heap
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
 
 
 def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str, dtype: str, spread: int,
@@ -137,7 +135,7 @@ def thread_cpu_s(pid: int, tid: int | None = None) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "shakespeare-char"))
     ap.add_argument("--shape", choices=sorted(SHAPES), help="random weights of this shape instead")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -168,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def random_checkpoint(shape: str, out: Path) -> tuple[Path, str]:
-    """A server's checkpoint of `shape` with bench/engine.py's random weights, and a prompt."""
+    """A server's checkpoint of `shape` with bench/shapes.py's random weights, and a prompt."""
     from model.checkpoint import save_checkpoint
 
     model, tokenizer = random_model(shape)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 
-def round_medians_s(fns: dict[str, Callable[[], object]], steps: int, rounds: int) -> dict[str, list[float]]:
+def round_medians_s(
+    fns: Mapping[str, Callable[[], object]], steps: int, rounds: int
+) -> dict[str, list[float]]:
     """Seconds per call of each variant, per round: the median of `steps` calls, in `rounds` rounds
     that take turns between the variants.
 
@@ -27,7 +29,7 @@ def round_medians_s(fns: dict[str, Callable[[], object]], steps: int, rounds: in
     return medians
 
 
-def best_median_s(fns: dict[str, Callable[[], object]], steps: int, rounds: int) -> dict[str, float]:
+def best_median_s(fns: Mapping[str, Callable[[], object]], steps: int, rounds: int) -> dict[str, float]:
     """Each variant's best round of round_medians_s (a round beside another tenant's burst does not
     count)."""
     return {name: min(medians) for name, medians in round_medians_s(fns, steps, rounds).items()}

@@ -16,9 +16,13 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
+        self.n_kv_head = config.kv_heads
         self.head_dim = config.head_dim
-        # Fused QKV projection: one matmul instead of three (GPT-2's own `c_attn` layout).
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.rope = config.positions == "rope"
+        # Fused projection: queries, then keys and values (one matmul instead of three; GPT-2's own
+        # `c_attn` layout when every head has its keys and values, nh + 2 x n_kv heads wide).
+        kv = self.n_kv_head * self.head_dim
+        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * kv, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -26,27 +30,57 @@ class CausalSelfAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        input_pos: torch.Tensor | None,
+        input_pos: torch.Tensor,
         cache: LayerKVCache | None,
         slots: torch.Tensor | None,
         mask: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         b, t, c = x.shape  # (B, T, C)
-        q, k, v = self.c_attn(x).split(c, dim=2)
-        q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(b, t, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(b, t, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        nh, nkv, hs = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.c_attn(x).split([c, nkv * hs, nkv * hs], dim=2)
+        q = q.view(b, t, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(b, t, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(b, t, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        if rope is not None:  # rotary positions: queries and keys turned by their position
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is None:
             # Training / uncached inference: the whole sequence is here, plain causal attention.
+            k, v = repeat_kv(k, nh // nkv), repeat_kv(v, nh // nkv)
             y = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
             )
         else:
-            assert input_pos is not None and slots is not None and mask is not None
-            k, v = cache.update(slots, input_pos, k, v)  # (B, nh, W, hs)
+            assert slots is not None and mask is not None
+            k, v = cache.update(slots, input_pos, k, v)  # (B, nkv, W, hs): the cache holds nkv heads
+            k, v = repeat_kv(k, nh // nkv), repeat_kv(v, nh // nkv)
             y = cached_attention(q, k.to(q.dtype), v.to(q.dtype), mask)
         y = y.transpose(1, 2).contiguous().view(b, t, c)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+
+def repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, nkv, S, hs) -> (B, nkv * n, S, hs): each key/value head serves n query heads in turn
+    (grouped-query attention; HF's repeat_kv). The cache stays nkv heads: that is GQA's saving."""
+    return x if n == 1 else x.repeat_interleave(n, dim=1)
+
+
+def rope_tables(config: GPTConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position's angles, (block_size, hs): frequency i turns dimensions i
+    and i + hs/2 (the "rotate half" layout of HF's Llama, so its weights work unchanged)."""
+    hs = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hs, 2, dtype=torch.float64, device=device) / hs))
+    angles = torch.outer(torch.arange(config.block_size, dtype=torch.float64, device=device), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)  # (block_size, hs)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, h, T, hs) turned by its positions' cos/sin (B, 1, T, hs); computed in float32."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
 
 
 # From this many rows, one-token attention runs as two batched matmuls (see decode_attention);
@@ -97,36 +131,51 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 class MLP(nn.Module):
+    """GPT-2's GELU MLP, or the Llama family's SwiGLU: c_fc computes W1 x and W3 x in one matmul
+    (gate, then up), and c_proj (W2) takes silu(W1 x) * (W3 x)."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.swiglu = config.mlp == "swiglu"
+        hidden = config.hidden
+        self.c_fc = nn.Linear(config.n_embd, 2 * hidden if self.swiglu else hidden, bias=config.bias)
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new", so HF weights match exactly
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        if self.swiglu:
+            gate, up = self.c_fc(x).chunk(2, dim=-1)
+            return self.dropout(self.c_proj(F.silu(gate) * up))  # type: ignore[no-any-return]
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # type: ignore[no-any-return]
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
+    return nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+        self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+        self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
     def forward(
         self,
         x: torch.Tensor,
-        input_pos: torch.Tensor | None,
+        input_pos: torch.Tensor,
         cache: LayerKVCache | None,
         slots: torch.Tensor | None,
         mask: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), input_pos, cache, slots, mask)
+        x = x + self.attn(self.ln_1(x), input_pos, cache, slots, mask, rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -142,14 +191,19 @@ class GPT(nn.Module):
             return None if init_weights else torch.empty(n, config.n_embd)
 
         self.wte = nn.Embedding(config.vocab_size, config.n_embd, _weight=table(config.vocab_size))
-        self.wpe = nn.Embedding(config.block_size, config.n_embd, _weight=table(config.block_size))
+        # Learned positions: a table of block_size rows. Rotary ones have no weights: their
+        # cos/sin tables are made per device on first use (_rope), outside the state dict.
+        self.wpe = (nn.Embedding(config.block_size, config.n_embd, _weight=table(config.block_size))
+                    if config.positions == "learned" else None)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+        self.ln_f = make_norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # Weight tying: the output projection reuses the token embedding (GPT-2; fewer parameters,
-        # and it regularises small models).
-        self.lm_head.weight = self.wte.weight
+        if config.tie_embeddings:
+            # Weight tying: the output projection reuses the token embedding (GPT-2; fewer
+            # parameters, and it regularises small models).
+            self.lm_head.weight = self.wte.weight
         if not init_weights:
             return
         self.apply(self._init_weights)
@@ -170,7 +224,7 @@ class GPT(nn.Module):
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
-        return n - self.wpe.weight.numel() if non_embedding else n
+        return n - self.wpe.weight.numel() if non_embedding and self.wpe is not None else n
 
     def new_cache(
         self, slots: int, window: int | None = None, dtype: torch.dtype | None = None
@@ -178,7 +232,7 @@ class GPT(nn.Module):
         """A KV cache for `slots` concurrent sequences, on this model's device and dtype."""
         ref = self.wte.weight
         return KVCache(
-            self.config.n_layer, slots, self.config.n_head, window or self.config.block_size,
+            self.config.n_layer, slots, self.config.kv_heads, window or self.config.block_size,
             self.config.head_dim, dtype or ref.dtype, ref.device,
         )
 
@@ -202,7 +256,13 @@ class GPT(nn.Module):
             if t > self.config.block_size:
                 raise ValueError(f"sequence of {t} tokens exceeds block_size {self.config.block_size}")
             input_pos = torch.arange(t, device=idx.device).unsqueeze(0).expand(b, t)
-        x = self.drop(self.wte(idx) + self.wpe(input_pos))  # (B, T, C)
+        x = self.wte(idx)  # (B, T, C)
+        rope = None
+        if self.wpe is not None:
+            x = x + self.wpe(input_pos)
+        else:
+            rope = self.rope_at(input_pos)
+        x = self.drop(x)
         mask = None
         if cache is not None:
             if slots is None:
@@ -210,7 +270,14 @@ class GPT(nn.Module):
             mask = additive_mask(input_pos, cache.window, x.dtype)  # (B, 1, T, W)
         for i, block in enumerate(self.h):
             layer_cache = cache.layers[i] if cache is not None else None
-            x = block(x, input_pos if cache is not None else None, layer_cache, slots, mask)
+            x = block(x, input_pos, layer_cache, slots, mask, rope)
         if last_only:
             x = x[:, -1:, :]
         return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+    def rope_at(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at positions input_pos (B, T), shaped (B, 1, T, hs) to turn every head."""
+        if self._rope is None or self._rope[0].device != input_pos.device:
+            self._rope = rope_tables(self.config, input_pos.device)
+        cos, sin = self._rope
+        return cos[input_pos].unsqueeze(1), sin[input_pos].unsqueeze(1)

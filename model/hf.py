@@ -1,8 +1,9 @@
-"""Conversion between our checkpoints and Hugging Face GPT-2 directories.
+"""Conversion between our checkpoints and Hugging Face GPT-2 and Llama directories.
 
-Export writes what `transformers.GPT2LMHeadModel.from_pretrained(OUT)` loads (config.json +
-model.safetensors); import turns such a directory (GPT-2 weights a user has on disk) into one of
-our checkpoints. Nothing is unpickled: `pytorch_model.bin` directories are refused.
+Export writes what `transformers.GPT2LMHeadModel.from_pretrained(OUT)` (or `LlamaForCausalLM`, for
+a Llama-family checkpoint) loads (config.json + model.safetensors); import turns such a directory
+(weights a user has on disk) into one of our checkpoints. Nothing is unpickled: `pytorch_model.bin`
+directories are refused. The Llama mapping is model/hf_llama.py.
 
 The two layouts differ only in naming and in one detail of GPT-2's code: its `Conv1D` layers store
 weights as (in, out), the transpose of `nn.Linear`'s (out, in).
@@ -28,6 +29,14 @@ from model.checkpoint import (
     save_checkpoint,
 )
 from model.config import GPTConfig
+from model.hf_llama import (
+    LlamaConfigError,
+    check_exportable,
+    config_from_llama,
+    from_llama_names,
+    llama_config,
+    to_llama_names,
+)
 from model.tokenizer import BPETokenizer, Tokenizer, tokenizer_from_json
 
 HF_CONFIG = "config.json"
@@ -57,8 +66,10 @@ class HFConversionError(ValueError):
 def export_hf(ckpt: Checkpoint, out_dir: str | Path) -> Path:
     """Write `ckpt` as a Hugging Face GPT-2 directory; returns its path."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = ckpt.config
+    if cfg.family == "llama":
+        return _export_llama(ckpt, out)
+    out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for name, t in ckpt.state_dict.items():
         if any(name.endswith(s) for s in _CONV1D):
@@ -95,6 +106,20 @@ def export_hf(ckpt: Checkpoint, out_dir: str | Path) -> Path:
         "nanoserve": {"name": ckpt.name, "tokenizer_kind": ckpt.tokenizer.kind},
     }
     save_file(tensors, str(out / HF_WEIGHTS), metadata={"format": "pt"})
+    (out / HF_CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+    _export_tokenizer(ckpt.tokenizer, out)
+    return out
+
+
+def _export_llama(ckpt: Checkpoint, out: Path) -> Path:
+    try:
+        check_exportable(ckpt.config)
+    except LlamaConfigError as e:
+        raise HFConversionError(f"{ckpt.name}: {e}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    extra = {"nanoserve": {"name": ckpt.name, "tokenizer_kind": ckpt.tokenizer.kind}}
+    hf_config = llama_config(ckpt.config, ckpt.dtype, ckpt.tokenizer.eos_id, extra)
+    save_file(to_llama_names(ckpt.state_dict, ckpt.config), str(out / HF_WEIGHTS), metadata={"format": "pt"})
     (out / HF_CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
     _export_tokenizer(ckpt.tokenizer, out)
     return out
@@ -156,7 +181,7 @@ def import_hf(
                       name=name or src.resolve().name, dtype=dtype)
     provenance = {
         "imported_from": str(src.resolve()),
-        "source_format": "huggingface-gpt2",
+        "source_format": f"huggingface-{config.family}",
         "source_weights": weights_desc,
         "source_weights_sha256": _sha256_of_weights(src),
     }
@@ -171,8 +196,13 @@ def _read_hf_config(src: Path) -> GPTConfig:
         raise HFConversionError(f"{path}: missing (a Hugging Face model directory needs {HF_CONFIG})")
     raw = read_json_object(path, HFConversionError)
     model_type = raw.get("model_type")
+    if model_type == "llama":
+        try:
+            return config_from_llama(raw)
+        except (TypeError, ValueError) as e:
+            raise HFConversionError(f"{path}: {e}") from None
     if model_type != "gpt2":
-        raise HFConversionError(f"{path}: model_type is {model_type!r}; only 'gpt2' can be imported")
+        raise HFConversionError(f"{path}: model_type is {model_type!r}; 'gpt2' and 'llama' can be imported")
     supported: dict[str, tuple[Any, set[Any]]] = {
         "activation_function": (raw.get("activation_function", "gelu_new"), _GELU_TANH),
         "scale_attn_weights": (raw.get("scale_attn_weights", True), {True}),
@@ -255,6 +285,8 @@ def _to_our_names(
     hf: dict[str, torch.Tensor], config: GPTConfig, source: str
 ) -> dict[str, torch.Tensor]:
     """Rename (and un-transpose) HF tensors; every name, shape and the tie are checked."""
+    if config.family == "llama":
+        return _check_names_and_shapes(_from_llama(hf, config, source), config, source)
     ours: dict[str, torch.Tensor] = {}
     lm_head = None
     for hf_name, t in hf.items():
@@ -285,6 +317,30 @@ def _to_our_names(
         raise HFConversionError(
             f"{source}: lm_head.weight differs from wte.weight (untied output embeddings are not supported)"
         )
+    return ours
+
+
+def _from_llama(hf: dict[str, torch.Tensor], config: GPTConfig, source: str) -> dict[str, torch.Tensor]:
+    try:
+        return from_llama_names(hf, config)
+    except KeyError as e:
+        raise HFConversionError(f"{source}: missing tensor {e.args[0]}") from None
+    except RuntimeError as e:  # torch.cat of mismatched q/k/v or gate/up shapes
+        raise HFConversionError(f"{source}: projections of inconsistent shapes ({e})") from None
+
+
+def _check_names_and_shapes(ours: dict[str, torch.Tensor], config: GPTConfig, source: str
+                            ) -> dict[str, torch.Tensor]:
+    expected = expected_tensors(config)
+    problem = name_mismatch(expected, ours)
+    if problem:
+        raise HFConversionError(f"{source}: {problem}")
+    for name, (shape, _) in expected.items():
+        if tuple(ours[name].shape) != shape:
+            raise HFConversionError(
+                f"{source}: tensor {name} has shape {list(ours[name].shape)}, config.json implies "
+                f"{list(shape)}"
+            )
     return ours
 
 

@@ -230,6 +230,10 @@ class BPETokenizer(Tokenizer):
     def eos_id(self) -> int | None:
         return self._eos
 
+    def largest_id(self) -> int:
+        """The largest id in the vocabulary (vocab_size - 1 unless the ids have gaps)."""
+        return max(self._tok.get_vocab().values(), default=-1)
+
     def encode(self, text: str) -> list[int]:
         # Byte-level BPE encodes UTF-8, which a lone surrogate (JSON's "\ud800") has none of: the
         # library would raise an error that names nothing.
@@ -260,16 +264,29 @@ def _require_utf8(text: str) -> None:
         ) from None
 
 
-def tokenizer_from_json(data: dict[str, Any]) -> Tokenizer:
+def tokenizer_from_json(data: Any) -> Tokenizer:
+    """The tokenizer a `tokenizer.json` document describes; ValueError names what is wrong."""
+    if not isinstance(data, dict):
+        raise ValueError(f"must hold a JSON object, got {type(data).__name__}")
     kind = data.get("kind")
-    if kind == "char":
-        return CharTokenizer(data["vocab"])
-    if kind == "word":
-        return WordTokenizer(data["vocab"])
+    if kind in ("char", "word"):
+        vocab = data.get("vocab")
+        # Decoding joins these strings: anything else would fail at the first response, not here.
+        if not isinstance(vocab, list) or not vocab or not all(isinstance(w, str) and w for w in vocab):
+            raise ValueError(f"a {kind} tokenizer's vocab must be a non-empty list of non-empty strings")
+        if len(set(vocab)) != len(vocab):
+            raise ValueError(f"the {kind} vocabulary has duplicate entries")
+        return CharTokenizer(vocab) if kind == "char" else WordTokenizer(vocab)
     if kind is None and "model" in data:
         from tokenizers import Tokenizer as HFTokenizer
 
-        return BPETokenizer(HFTokenizer.from_str(json.dumps(data)))
+        tok = BPETokenizer(HFTokenizer.from_str(json.dumps(data)))
+        # The engine masks ids from vocab_size up as padding: an id above them would be a token
+        # that encode() produces and the model's embedding may not have.
+        top = tok.largest_id()
+        if top >= tok.vocab_size:
+            raise ValueError(f"token ids must run from 0 to {tok.vocab_size - 1}, found id {top}")
+        return tok
     raise ValueError(f"unknown tokenizer kind {kind!r}")
 
 

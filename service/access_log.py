@@ -5,6 +5,11 @@
 id (an incoming `X-Request-Id` is honoured when it is a sane token), echoes it on every response, and
 when the response has finished logs one line: id, method, route, status, prompt/generated tokens,
 TTFT and duration. Routes fill the token fields through `record_of(request)`.
+
+Log lines carry what clients send (a path, a model name, a header): every formatter here escapes
+control and other non-printable characters (`\\x0a`, `\\x1b`, `\\u2028`) and backslashes in
+messages and fields, so no client can forge a line or write terminal escapes; the text access line
+quotes a value with a space, quote or `=` in it, so no client can forge a field.
 """
 
 from __future__ import annotations
@@ -126,7 +131,7 @@ class RequestContextMiddleware:
             fields = record.fields(time.perf_counter() - arrival)
             # Successful probes and scrapes come every few seconds: debug level, not noise at info.
             quiet = record.path in _QUIET_PATHS and record.status < 400
-            message = " ".join(f"{k}={v}" for k, v in fields.items())
+            message = logfmt_line(fields)
             log.log(logging.DEBUG if quiet else logging.INFO, message, extra={"fields": fields})
 
 
@@ -137,8 +142,57 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+def escape(text: str, keep_newlines: bool = False) -> str:
+    """`text` with backslashes doubled and every non-printable character as a Python escape
+    (`\\x1b`, `\\u2028`); newlines kept only with `keep_newlines` (a traceback's own lines)."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    out = []
+    for ch in text:
+        if ch == "\\":
+            out.append("\\\\")
+        elif ch.isprintable() or (keep_newlines and ch == "\n"):
+            out.append(ch)
+        else:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000
+                       else f"\\U{code:08x}")
+    return "".join(out)
+
+
+def _logfmt(value: object) -> str:
+    """A value of the text access line, escaped, and quoted when a space, quote or `=` would blur
+    the fields (a quote inside is `\\x22`, as nginx writes it)."""
+    text = escape(str(value))
+    if text and not any(c in text for c in ' "='):
+        return text
+    return '"' + text.replace('"', "\\x22") + '"'
+
+
+def logfmt_line(fields: dict[str, Any]) -> str:
+    """`key=value ...`: the text form of an access-log line (already escaped)."""
+    return " ".join(f"{k}={_logfmt(v)}" for k, v in fields.items())
+
+
+class TextFormatter(logging.Formatter):
+    """`time level logger: message`, with the message and any traceback escaped."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        fields = getattr(record, "fields", None)
+        # An access line is rendered from its fields, each escaped once (escaping the message
+        # again would double the backslashes of its escapes).
+        record.message = logfmt_line(fields) if isinstance(fields, dict) else escape(record.message)
+        return super().formatMessage(record)
+
+    def formatException(self, ei: Any) -> str:
+        return escape(super().formatException(ei), keep_newlines=True)
+
+    def formatStack(self, stack_info: str) -> str:
+        return escape(super().formatStack(stack_info), keep_newlines=True)
+
+
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line; access-log lines carry their fields as keys."""
+    """One JSON object per line; access-log lines carry their fields as keys (strings escaped)."""
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
@@ -148,11 +202,11 @@ class JsonFormatter(logging.Formatter):
         }
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
-            out.update(fields)
+            out.update({k: escape(v) if isinstance(v, str) else v for k, v in fields.items()})
         else:
-            out["message"] = record.getMessage()
+            out["message"] = escape(record.getMessage())
         if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
+            out["exception"] = escape(self.formatException(record.exc_info), keep_newlines=True)
         return json.dumps(out, ensure_ascii=False, default=str)
 
 
@@ -162,7 +216,7 @@ def configure_logging(level: str, fmt: str) -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -42,6 +42,7 @@ from service.api_docs import install_openapi
 from service.auth import ApiKeyGate, require_api_key
 from service.deps import EngineDep, SettingsDep, get_engine, get_settings, server_version
 from service.encoding import EncodeQueue
+from service.engine.backends.factory import check_backend
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.threads import single_threaded_executor
@@ -59,8 +60,9 @@ __all__ = ["EngineDep", "SettingsDep", "create_app", "drain", "get_engine", "get
 
 
 def engine_config(settings: Settings) -> EngineConfig:
-    """The engine's settings, taken from the server's (raises ValueError naming a bad combination)."""
-    return EngineConfig(
+    """The engine's settings, taken from the server's (raises ValueError naming a bad combination,
+    a backend that cannot run here included)."""
+    config = EngineConfig(
         device=settings.device,
         dtype=settings.dtype,
         kv_cache_dtype=settings.kv_cache_dtype,
@@ -77,8 +79,10 @@ def engine_config(settings: Settings) -> EngineConfig:
         deterministic=settings.deterministic,
         cpu_threads=settings.cpu_threads,
         compile=settings.compile,
-        fault_injection=settings.fault_injection,
+        backend=settings.backend,
     )
+    check_backend(config)
+    return config
 
 
 class Lifecycle:

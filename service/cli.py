@@ -7,7 +7,6 @@ import sys
 
 from model.hf_cli import add_hf_parsers
 from model.training.cli import add_train_parser
-from service.engine.bench_cli import add_bench_parser
 from service.serve_cli import add_serve_parser
 
 
@@ -17,7 +16,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_serve_parser(sub)
     add_hf_parsers(sub)
-    add_bench_parser(sub)
     return parser
 
 

@@ -141,17 +141,41 @@ class BodyLimitMiddleware:
                 timer.cancel()
 
 
+DRAINING_MESSAGE = "the server is shutting down"
+DRAINING_HEADERS = {"Retry-After": "1", "Connection": "close"}
+
+
 class DrainGate:
-    """While draining, everything but probes and metrics gets 503 + Retry-After."""
+    """While draining, everything but probes and metrics gets 503 + Retry-After.
+
+    That includes a request that arrived before the drain but whose body is still coming in: it
+    has not been admitted, so its next body read answers the same 503 (the server wakes such reads
+    when the drain begins: `NanoserveHttpProtocol.wake_body_reader`). Left waiting, it would be
+    cancelled when the server stops, a 500 with a traceback.
+    """
 
     def __init__(self, app: ASGIApp, is_draining: Callable[[], bool]) -> None:
         self.app = app
         self.is_draining = is_draining
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in ALWAYS_OPEN and self.is_draining():
-            response = error_response(503, "the server is shutting down", code="draining",
-                                      headers={"Retry-After": "1", "Connection": "close"})
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if scope["path"] not in ALWAYS_OPEN and self.is_draining():
+            response = error_response(503, DRAINING_MESSAGE, code="draining", headers=DRAINING_HEADERS)
             await response(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        body_complete = False
+
+        async def receive_unless_draining() -> Message:
+            nonlocal body_complete
+            message = await receive()
+            if not body_complete and message["type"] == "http.request":
+                body_complete = not message.get("more_body", False)
+                if self.is_draining() and scope["path"] not in ALWAYS_OPEN:
+                    # Raised inside FastAPI's body parsing, as BodyLimitMiddleware's 413.
+                    raise APIError(503, DRAINING_MESSAGE, code="draining", headers=DRAINING_HEADERS)
+            return message
+
+        await self.app(scope, receive_unless_draining, send)

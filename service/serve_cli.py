@@ -16,13 +16,16 @@ import logging
 import signal
 import sys
 from types import FrameType
-from typing import Any, get_args, get_origin
+from typing import TYPE_CHECKING, Any, get_args, get_origin
 
 import uvicorn
 from fastapi import FastAPI
 from pydantic import ValidationError
 
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    from service.connection_guard import ConnectionLimits
 
 log = logging.getLogger("nanoserve.serve")
 
@@ -82,6 +85,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from model.checkpoint import CheckpointError, load_checkpoint
     from service.access_log import configure_logging
     from service.app import create_app, engine_config
+    from service.connection_guard import ConnectionGuard
     from service.engine.threads import single_threaded_elsewhere
     from service.http_protocol import NanoserveHttpProtocol
 
@@ -102,6 +106,7 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_format)
     app = create_app(settings, checkpoint=checkpoint)
     del checkpoint  # the app's lifespan hands it to the engine and drops it (service/app.py)
+    guard = ConnectionGuard(connection_limits(settings), app.state.metrics.instruments)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -111,7 +116,9 @@ def run_serve(args: argparse.Namespace) -> int:
         lifespan="on",
         timeout_graceful_shutdown=FLUSH_TIMEOUT_S,
         proxy_headers=False,
-        http=NanoserveHttpProtocol,  # streams write mid-stream events without ASGI (http_protocol.py)
+        # Streams write mid-stream events without ASGI; connection limits (http_protocol.py).
+        http=NanoserveHttpProtocol.with_guard(guard),
+        ws="none",  # no route speaks WebSocket: an upgrade request is an ordinary HTTP request
     )
     server = DrainingServer(config, app, settings.drain_timeout)
     try:
@@ -121,6 +128,32 @@ def run_serve(args: argparse.Namespace) -> int:
     if not server.started:
         return 1
     return 0
+
+
+def connection_limits(settings: Settings) -> ConnectionLimits:
+    """The protocol's limits: the settings, with max_connections lowered to fit the open-file limit
+    (raised to its hard limit first), so that accept() never fails for want of a descriptor."""
+    from service.connection_guard import (
+        REQUEST_LINE_BYTES,
+        ConnectionLimits,
+        connection_capacity,
+        raise_open_file_limit,
+    )
+
+    files = raise_open_file_limit()
+    capacity = connection_capacity(settings.max_connections, files)
+    if capacity < settings.max_connections:
+        log.warning("max_connections lowered from %d to %d to fit the open-file limit of %d",
+                    settings.max_connections, capacity, files)
+    else:
+        log.info("connections: at most %d open (open-file limit %d)", capacity, files)
+    return ConnectionLimits(
+        max_connections=capacity,
+        max_connections_per_client=settings.max_connections_per_client,
+        header_timeout=settings.header_timeout,
+        idle_timeout=settings.idle_timeout,
+        max_head_bytes=settings.max_header_bytes + REQUEST_LINE_BYTES,
+    )
 
 
 class DrainingServer(uvicorn.Server):
@@ -156,7 +189,17 @@ class DrainingServer(uvicorn.Server):
         from service.app import drain
 
         try:
-            await drain(self.app, self.drain_timeout)
+            drained = asyncio.ensure_future(drain(self.app, self.drain_timeout))
+            lifecycle = self.app.state.lifecycle
+            while not lifecycle.is_draining() and not drained.done():
+                await asyncio.sleep(0)  # drain() marks the app draining before its first wait
+            # Requests still waiting for the rest of their body are not admitted yet: they get the
+            # drain's 503 now (request_guard.DrainGate), not a cancellation when the server stops.
+            for connection in list(self.server_state.connections):
+                wake = getattr(connection, "wake_body_reader", None)
+                if wake is not None:
+                    wake()
+            await drained
         except Exception:
             log.exception("drain failed")
         finally:

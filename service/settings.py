@@ -80,8 +80,10 @@ class Settings(BaseSettings):
         "process may use); the rest of the server stays on one.",
     )
     compile: bool = Field(default=False, description="torch.compile the decode step at warm-up.")
-    fault_injection: str | None = Field(
-        default=None, description="Test builds only: a fault the engine injects (see the engine's docs)."
+    backend: Literal["auto", "native", "torch"] = Field(
+        default="auto",
+        description="What computes: auto (native where it can run: CPU, float32/bfloat16, library "
+        "built; else torch), native (an error where it cannot run), torch (any device).",
     )
 
     # Request limits.
@@ -100,6 +102,27 @@ class Settings(BaseSettings):
         default=32 << 10, ge=1024, description="Request headers larger in total get 431."
     )
     max_headers: int = Field(default=100, ge=8, description="Requests with more headers get 431.")
+
+    # Connections.
+    max_connections: int = Field(
+        default=1024, ge=1, le=1_000_000,
+        description="Open client connections beyond which a new one gets 503 and is closed (lowered "
+        "at start-up to fit the open-file limit).",
+    )
+    max_connections_per_client: int = Field(
+        default=0, ge=0, le=1_000_000,
+        description="Open connections one client address may hold (0: no limit per address); "
+        "beyond it a new one gets 503. Leave 0 behind a proxy: there every client has the proxy's address.",
+    )
+    header_timeout: float = Field(
+        default=10.0, gt=0, le=3600, allow_inf_nan=False,
+        description="Seconds a request's line and headers may take, from the connection's start or "
+        "the request's first byte; then 408 (or a close when nothing came) and the connection closed.",
+    )
+    idle_timeout: float = Field(
+        default=5.0, gt=0, le=3600, allow_inf_nan=False,
+        description="Seconds a kept-alive connection may wait for its next request before it is closed.",
+    )
 
     # Security.
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(

@@ -14,6 +14,23 @@ CROP_POLICIES = ("shift", "sliding")
 NATIVE_ISAS = ("c", "avx2", "avx512", "avx512bf16", "amx")
 TILE_ISAS = ("avx512bf16", "amx")
 _ISAS = ("auto", *NATIVE_ISAS)
+BACKENDS = ("auto", "native", "torch")
+
+
+def _check_device(device: str) -> None:
+    """Raise ValueError unless `device` names a device this process can use (before any load)."""
+    if device in ("auto", "cpu"):
+        return
+    index = device.removeprefix("cuda:") if device.startswith("cuda:") else None
+    if device != "cuda" and not (index is not None and index.isascii() and index.isdigit()):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    if not torch.cuda.is_available():
+        built = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+        reason = "no CUDA device is visible" if built else "this PyTorch build has no CUDA support"
+        raise ValueError(f"device {device!r}: {reason} (torch {torch.__version__}); use cpu or auto")
+    count = torch.cuda.device_count()
+    if index is not None and int(index) >= count:
+        raise ValueError(f"device {device!r}: {count} CUDA device(s) visible, cuda:0 to cuda:{count - 1}")
 
 
 @dataclass
@@ -47,18 +64,15 @@ class EngineConfig:
     # CPU: run linear layers through oneDNN with weights reordered once (see packed_linear.py),
     # where torch runs the forwards (the native step off or unavailable).
     packed_linear: bool = True
-    # CPU float32 and bfloat16: every forward (decode rows and prompt chunks) as one native call (see
-    # native_step.py); off, or where it cannot run, forwards go through torch's kernels.
-    native_step: bool = True
+    # Which backend computes (backends/factory.py): "auto" (native where it can run: a CPU, a
+    # float32 or bfloat16 model, the library built; else torch), "native" (an error where it
+    # cannot run) or "torch" (torch's kernels, any device).
+    backend: str = "auto"
     # The native step's kernels, at most this level: "auto" (the best the CPU has) or one of c,
     # avx2, avx512, avx512bf16, amx (NATIVE_ISAS). Up to avx512 a bfloat16 model keeps its linear
     # layers' inputs in float32 (the same results on any x86 CPU); avx512bf16 and amx round them
     # to bf16 (bf16 dot products: AMD Zen 4/5 and Intel Cooper Lake, or Intel's AMX).
     native_isa: str = "auto"
-    # TEST-ONLY hook for exercising fault isolation in a running server. "nan:<marker>": rows
-    # whose prompt text contains <marker> get NaN logits; "raise:<marker>": the forward pass
-    # raises whenever such a row is in the batch. Never set it in production.
-    fault_injection: str | None = None
 
     def client_queue_share(self) -> int:
         """Waiting requests one client may have (max_waiting_per_client, default half the queue)."""
@@ -67,8 +81,7 @@ class EngineConfig:
         return max(1, self.max_queue // 2)
 
     def __post_init__(self) -> None:
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        _check_device(self.device)
         if self.native_isa not in _ISAS:
             raise ValueError(f"native_isa must be one of {', '.join(_ISAS)}, got {self.native_isa!r}")
         if self.dtype not in _DTYPES:
@@ -97,13 +110,8 @@ class EngineConfig:
             )
         if self.shift_keep is not None and self.shift_keep < 1:
             raise ValueError(f"shift_keep must be a positive integer, got {self.shift_keep!r}")
-        if self.fault_injection is not None:
-            kind, _, marker = self.fault_injection.partition(":")
-            if kind not in ("nan", "raise") or not marker:
-                raise ValueError(
-                    "fault_injection must be 'nan:<marker>' or 'raise:<marker>', "
-                    f"got {self.fault_injection!r}"
-                )
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
 
     def resolved_device(self) -> str:
         if self.device == "auto":

@@ -19,12 +19,11 @@ import torch
 
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.tokenizer import Tokenizer, TokenizerError
+from service.engine.backends.factory import choose_backend, native_unavailable
 from service.engine.config import EngineConfig
 from service.engine.dtype_probe import SLOW_FACTOR, cpu_matmul_slowdown
 from service.engine.ids import new_id, new_seed
 from service.engine.inbox import Inbox
-from service.engine.native_step import unavailable_reason as native_unavailable
-from service.engine.packed_linear import pack_linears, packed_linear_supported
 from service.engine.request import Request
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler, StepResult, WaitingQueue
@@ -59,8 +58,7 @@ class Engine:
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.window = config.window_for(checkpoint.config.block_size)
         self.device = config.resolved_device()
-        self.native_step_off = self._native_step_off(config)
-        native = self.native_step_off is None
+        native = config.backend != "torch" and native_unavailable(config) is None
         self.dtype_slowdown = 1.0  # this dtype's matmul time over float32's, on a CPU
         if self.device == "cpu" and config.torch_dtype != torch.float32:
             self.dtype_slowdown = cpu_matmul_slowdown(config.torch_dtype)
@@ -69,35 +67,21 @@ class Engine:
             if self.dtype_slowdown > SLOW_FACTOR and not native:
                 log.warning(
                     "engine: %s matmuls run %.0fx slower than float32 on this CPU (no native %s "
-                    "support, torch CPU capability %s) and the native step is off: serve with dtype "
-                    "float32", config.dtype, self.dtype_slowdown, config.dtype,
+                    "support, torch CPU capability %s) and the native backend is off: serve with "
+                    "dtype float32", config.dtype, self.dtype_slowdown, config.dtype,
                     torch.backends.cpu.get_cpu_capability(),
                 )
         self.model = checkpoint.build_model(self.device, config.torch_dtype)
         self.num_params = self.model.num_params(non_embedding=False)
-        self.packed_linears = 0
-        packable = packed_linear_supported(self.model.wte.weight.device, config.torch_dtype)
-        # oneDNN packing only where torch runs the forwards: the native step runs them all.
-        if config.packed_linear and packable and not config.compile and not native:
-            self.packed_linears = pack_linears(self.model, batch_hint=config.max_seqs)
+        cpu_threads = config.cpu_threads or default_cpu_threads()
+        self.backend, self.backend_reason = choose_backend(self.model, config, self.window, cpu_threads)
+        log.info("engine: backend %s, kernels %s (%s)", self.backend.name, self.backend.kernels(),
+                 self.backend_reason)
         self.runner = ModelRunner(
-            self.model, config.max_seqs, self.window,
-            usable_vocab=self.tokenizer.vocab_size, deterministic=config.deterministic,
-            cpu_threads=config.cpu_threads or default_cpu_threads(),
-            # The native step's capacity: the largest step this engine runs (0: torch runs them).
-            native_max_rows=(max(config.max_seqs, config.prefill_budget, config.idle_prefill_budget)
-                             if native else 0),
-            kv_dtype=config.torch_kv_dtype, native_isa=config.native_isa,
+            self.backend, checkpoint.config.vocab_size, usable_vocab=self.tokenizer.vocab_size,
+            deterministic=config.deterministic, cpu_threads=cpu_threads,
         )
-        if config.compile:
-            # Shapes vary with batch size, chunk length and attention span: compile dynamically.
-            # The first forward of each new shape family compiles (minutes on 2 CPU cores), so
-            # warmup() should run before the engine reports ready.
-            self.runner.model = torch.compile(self.model, dynamic=True)  # type: ignore[assignment]
-            self.runner.decode_step = None
-            self.runner.native_step = None
         self.scheduler = Scheduler(self.runner, self.tokenizer, config, self.window)
-        self._fault_kind, _, self._fault_marker = (config.fault_injection or "").partition(":")
         self._waiting = WaitingQueue()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -112,16 +96,6 @@ class Engine:
             checkpoint.name, self.device, config.dtype, config.max_seqs, self.window,
             self.runner.cache.nbytes / 2**20,
         )
-
-    def _native_step_off(self, config: EngineConfig) -> str | None:
-        """Why forwards will not run on the native step (None: they will); logged once."""
-        reason = native_unavailable(torch.device(self.device), config.torch_dtype, config.torch_kv_dtype)
-        if not config.native_step:
-            reason = "native_step is off"
-        elif config.compile:
-            reason = "the model is compiled (the compiled graph runs every step)"
-        log.info("engine: native step %s", f"off ({reason})" if reason else "on")
-        return reason
 
     @classmethod
     def from_path(
@@ -243,11 +217,10 @@ class Engine:
         validate_params(params, vocab)
         params = effective_params(params, vocab)
         if isinstance(prompt, str):
-            ids, text = self.encode(prompt), prompt
+            ids = self.encode(prompt)
         else:
             ids = list(prompt)
             validate_ids(ids, vocab)
-            text = self.tokenizer.decode(ids) if self._fault_marker else ""
         if not ids:
             if self.tokenizer.eos_id is None:
                 raise InvalidRequest("the prompt is empty: give at least one token", param="inputs")
@@ -263,7 +236,6 @@ class Engine:
             tokenizer=self.tokenizer,
             loop=loop,
             queue=Inbox(loop, stream_interval, _ends_stream),
-            fault=self._fault_kind if self._fault_marker and self._fault_marker in text else None,
             client=client,
         )
         with self._cond:
@@ -320,10 +292,8 @@ class Engine:
             "cpu_threads": self.runner.cpu_threads,
             # Forward size (tokens, rounded up to a power of two) -> threads the tuner chose.
             "cpu_threads_by_forward_size": {str(k): v for k, v in self.runner.threads.choices().items()},
-            "packed_linear": self.packed_linears > 0,
-            "native_step": self.native_step_off is None,
-            # Which of the native step's kernels run (c, avx2, avx512: the best this CPU has).
-            "native_isa": self.runner.native_step.isa if self.runner.native_step is not None else None,
+            # Which backend computes, with which kernels, and why it was chosen (backends/).
+            "backend": {**self.backend.describe(), "reason": self.backend_reason},
             "kv_cache_bytes": self.runner.cache.nbytes,
             "provenance": self.checkpoint.provenance,
         }

@@ -26,10 +26,10 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -38,14 +38,26 @@ from model.file_pages import FilePages
 from model.gpt import GPT, Block
 from service.engine.config import NATIVE_ISAS, TILE_ISAS
 from service.engine.kv_slots import SpanKVCache
+from service.engine.native_abi import (
+    Config,
+    Layer,
+    LibraryMismatch,
+    OpenMP,
+    Penalties,
+    SampleArgs,
+    StepArgs,
+    Weights,
+    load,
+)
 
 log = logging.getLogger(__name__)
 
-_OMP_ENTRY_POINTS = ("GOMP_parallel", "GOMP_barrier", "omp_get_thread_num", "omp_get_num_threads")
+# libgomp's entry points by the ns_openmp field that takes each.
+_OMP_ENTRY_POINTS = {"parallel": "GOMP_parallel", "barrier": "GOMP_barrier",
+                     "thread_num": "omp_get_thread_num", "num_threads": "omp_get_num_threads"}
 _LIBRARY_NAME = "_decode"
-_WEIGHTS_PER_LAYER = 12  # ln_1, c_attn, c_proj, ln_2, c_fc, mlp c_proj: weight and bias each
-_LINEAR_WEIGHTS_AT = (2, 4, 8, 10)  # where c_attn, c_proj, c_fc and mlp c_proj's weights are in them
-_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # decode.c's F32, BF16
+_DTYPES = (torch.float32, torch.bfloat16)  # the library's NS_F32 and NS_BF16
+_LAYER_LINEARS = ("attn", "proj", "fc", "mproj")  # ns_layer's linears, in ns_tile_linear's numbering
 
 
 def library_path() -> Path | None:
@@ -58,16 +70,17 @@ def library_path() -> Path | None:
     return None
 
 
-def omp_entry_points() -> list[int] | None:
-    """Addresses of libgomp's parallel-region entry points as torch loaded them, or None when
-    torch's OpenMP runtime does not export them (the step then runs on the calling thread)."""
+def omp_entry_points() -> dict[str, int] | None:
+    """Addresses of libgomp's parallel-region entry points as torch loaded them, by ns_openmp field,
+    or None when torch's OpenMP runtime does not export them (the step then runs on the calling
+    thread)."""
     process = ctypes.CDLL(None)
-    addresses = []
-    for name in _OMP_ENTRY_POINTS:
+    addresses = {}
+    for field, name in _OMP_ENTRY_POINTS.items():
         fn = getattr(process, name, None)
         if fn is None:
             return None
-        addresses.append(ctypes.cast(fn, ctypes.c_void_p).value or 0)
+        addresses[field] = ctypes.cast(fn, ctypes.c_void_p).value or 0
     return addresses
 
 
@@ -78,41 +91,45 @@ def unavailable_reason(
     if device.type != "cpu":
         return f"device is {device.type} (the native step is CPU-only)"
     for what, d in (("dtype", dtype), ("KV cache dtype", kv_dtype or dtype)):
-        if d not in _TYPES:
+        if d not in _DTYPES:
             return f"{what} is {d} (the native step runs float32 and bfloat16)"
-    if library_path() is None:
+    path = library_path()
+    if path is None:
         return "service/engine/native/decode.c is not built (pip install builds it; needs a C compiler)"
+    try:
+        load(path)
+    except (LibraryMismatch, OSError) as e:
+        return f"the native library does not match this code ({e})"
     return None
 
 
-PANEL = 16  # decode.c's PANEL
-
-
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """nn.Linear's (out, in) weight as decode.c reads it: panels of PANEL output features, (out /
-    PANEL, in, PANEL), zero-padded to whole panels. bfloat16 interleaves each input's two halves
-    of the panel (features j and j + 8 side by side), which decode.c widens with a shift and a mask."""
+def pack_panels(weight: torch.Tensor, panel: int) -> torch.Tensor:
+    """nn.Linear's (out, in) weight as decode.c reads it: panels of `panel` (the library's NS_PANEL)
+    output features, (out / panel, in, panel), zero-padded to whole panels. bfloat16 interleaves each
+    input's two halves of the panel (features j and j + panel / 2 side by side), which decode.c
+    widens with a shift and a mask."""
     out, inp = weight.shape
-    full, half = out // PANEL, PANEL // 2
-    packed = weight.new_zeros(-(-out // PANEL), inp, PANEL)
+    full, half = out // panel, panel // 2
+    packed = weight.new_zeros(-(-out // panel), inp, panel)
     # Written in place through a view of it in the weight's row order: no padded or transposed
     # copy of the weight on the way (at 124M the output layer's was a 154 MB start-up temporary).
     if weight.dtype == torch.bfloat16:
         rows = packed.view(-1, inp, half, 2).permute(0, 3, 2, 1)  # (panel, h, j, input): W[p*16 + 8h + j]
-        rows[:full].copy_(weight[: full * PANEL].view(full, 2, half, inp))
-        for r in range(full * PANEL, out):  # a last, partial panel: at most 15 rows
-            rows[full, (r % PANEL) // half, r % half].copy_(weight[r])
+        rows[:full].copy_(weight[: full * panel].view(full, 2, half, inp))
+        for r in range(full * panel, out):  # a last, partial panel
+            rows[full, (r % panel) // half, r % half].copy_(weight[r])
     else:
         rows = packed.transpose(1, 2)  # (panel, j, input): W[p*16 + j]
-        rows[:full].copy_(weight[: full * PANEL].view(full, PANEL, inp))
-        if out > full * PANEL:
-            rows[full, : out - full * PANEL].copy_(weight[full * PANEL :])
+        rows[:full].copy_(weight[: full * panel].view(full, panel, inp))
+        if out > full * panel:
+            rows[full, : out - full * panel].copy_(weight[full * panel :])
     return packed
 
 
-def capture_weights(model: GPT) -> list[torch.Tensor | None]:
-    """Copies of the model's weights in the order ns_create reads them (linear weights packed in
-    panels), without the KV cache buffers (the step adds its cache's). Needs nn.Linear's layout:
+def capture_weights(model: GPT, panel: int) -> dict[str, torch.Tensor | None]:
+    """Copies of the model's weights, each by the path of the ns_weights field that points to it
+    ("wte", "layers.0.attn.w", "head.b"; native/nanoserve_native.h), linear weights packed in panels
+    of `panel`, without the KV cache buffers (the step adds its cache's). Needs nn.Linear's layout:
     take them before any oneDNN packing (the engine does not pack where the native step runs).
     Embeddings and linear weights keep the model's dtype; biases and norms (a few KB) become
     float32. Copies, all of them: the step then shares no memory with the model or its checkpoint
@@ -134,21 +151,44 @@ def capture_weights(model: GPT) -> list[torch.Tensor | None]:
     def small(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
-    def linear(module: nn.Linear) -> list[torch.Tensor | None]:
-        return [copy(module.weight, pack_panels), copy(module.bias, small)]
-
-    def norm(module: nn.LayerNorm) -> list[torch.Tensor | None]:
-        return [copy(module.weight, small), copy(module.bias, small)]
+    def packed(t: torch.Tensor) -> torch.Tensor:
+        return pack_panels(t, panel)
 
     # A tied output layer is the embedding: decode.c reads the embeddings from its panels then.
     tied = model.lm_head.weight is model.wte.weight
-    w = [None if tied else copy(model.wte.weight, same), copy(model.wpe.weight, same)]
+    if model.config.family != "gpt2" or model.wpe is None:
+        raise ValueError("the native step runs the GPT-2 family only")
+    w = {"wte": None if tied else copy(model.wte.weight, same), "wpe": copy(model.wpe.weight, same)}
+
+    def linear(name: str, module: nn.Linear) -> None:
+        w[f"{name}.w"], w[f"{name}.b"] = copy(module.weight, packed), copy(module.bias, small)
+
+    def norm(name: str, module: nn.LayerNorm) -> None:
+        w[f"{name}.w"], w[f"{name}.b"] = copy(module.weight, small), copy(module.bias, small)
+
     blocks: list[Block] = list(model.h)  # type: ignore[arg-type]
-    for block in blocks:
+    for i, block in enumerate(blocks):
         attn, mlp = block.attn, block.mlp
-        w += norm(block.ln_1) + linear(attn.c_attn) + linear(attn.c_proj)
-        w += norm(block.ln_2) + linear(mlp.c_fc) + linear(mlp.c_proj)
-    return w + norm(model.ln_f) + linear(model.lm_head)
+        norm(f"layers.{i}.ln1", cast(nn.LayerNorm, block.ln_1))
+        linear(f"layers.{i}.attn", attn.c_attn)
+        linear(f"layers.{i}.proj", attn.c_proj)
+        norm(f"layers.{i}.ln2", cast(nn.LayerNorm, block.ln_2))
+        linear(f"layers.{i}.fc", mlp.c_fc)
+        linear(f"layers.{i}.mproj", mlp.c_proj)
+    norm("lnf", cast(nn.LayerNorm, model.ln_f))
+    linear("head", model.lm_head)
+    return w
+
+
+def point_at(struct: ctypes.Structure, tensors: Mapping[str, torch.Tensor | None], prefix: str = "") -> None:
+    """Each pointer field of `struct`, and of the structs in it, at the memory of the tensor named
+    by its path (`prefix` + "attn.w"; None: NULL). A field with no tensor of its name is a KeyError."""
+    for name, kind, *_ in struct._fields_:
+        if isinstance(kind, type) and issubclass(kind, ctypes.Structure):
+            point_at(getattr(struct, name), tensors, f"{prefix}{name}.")
+        elif kind is ctypes.c_void_p:
+            t = tensors[prefix + name]
+            setattr(struct, name, None if t is None else t.data_ptr())
 
 
 def release_weights(model: GPT) -> int:
@@ -165,28 +205,6 @@ def release_weights(model: GPT) -> int:
     return released
 
 
-def _load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    lib.ns_create.restype = ctypes.c_void_p
-    lib.ns_create.argtypes = [
-        *[ctypes.c_int] * 8, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p
-    ]
-    lib.ns_step.restype = None
-    ptr, num = ctypes.c_void_p, ctypes.c_int
-    lib.ns_step.argtypes = [ptr, num, ptr, ptr, ptr, num, ptr, ptr, num]
-    lib.ns_free.restype = None
-    lib.ns_free.argtypes = [ctypes.c_void_p]
-    lib.ns_set_isa.restype = ctypes.c_int
-    lib.ns_set_isa.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    lib.ns_sample.restype = ctypes.c_int
-    lib.ns_sample.argtypes = [ptr, num, num, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, num, ptr]
-    for name, args in (("ns_tiles_only", [ctypes.c_void_p]), ("ns_tiles_possible", [ctypes.c_void_p]),
-                       ("ns_tile_linear", [ctypes.c_void_p, ctypes.c_int])):
-        getattr(lib, name).restype = ctypes.c_int
-        getattr(lib, name).argtypes = args
-    return lib
-
-
 @dataclass
 class SamplePenalties:
     """The repetition, frequency and presence penalties of NativeStep.sample's rows: per slot,
@@ -200,8 +218,9 @@ class SamplePenalties:
     frequency: list[float]
     presence: list[float]
 
-    def arrays(self, rows: int, vocab: int) -> list[torch.Tensor]:
-        """The six arrays native/sampler.h reads, checked (it indexes raw memory with slots)."""
+    def arrays(self, rows: int, vocab: int) -> dict[str, torch.Tensor]:
+        """The six arrays native/sampler.inc reads, by ns_penalties field, checked (it indexes raw
+        memory with slots)."""
         seen, counts = self.seen, self.counts
         if not (seen.dtype == torch.bool and counts.dtype == torch.int32 and seen.is_contiguous()
                 and counts.is_contiguous() and seen.shape == counts.shape and seen.shape[1] == vocab):
@@ -209,8 +228,11 @@ class SamplePenalties:
         columns = (self.slots, self.repetition, self.frequency, self.presence)
         if any(len(c) != rows for c in columns) or not all(0 <= s < len(seen) for s in self.slots):
             raise ValueError("native sample: a slot and three factors per row, slots within the cache")
-        return [seen, counts, torch.tensor(self.slots, dtype=torch.int64),
-                *(torch.tensor(c, dtype=torch.float32) for c in columns[1:])]
+        factors = {name: torch.tensor(c, dtype=torch.float32)
+                   for name, c in (("repetition", self.repetition), ("frequency", self.frequency),
+                                   ("presence", self.presence))}
+        slot = torch.tensor(self.slots, dtype=torch.int64)
+        return {"seen": seen, "counts": counts, "slot": slot, **factors}
 
 
 class NativeStep:
@@ -231,63 +253,75 @@ class NativeStep:
         path = library_path()
         if path is None:
             raise RuntimeError("service/engine/native/decode.c is not built")
-        self._lib = _load(path)
+        native = load(path)  # LibraryMismatch where it is not the library this code was written for
+        self._lib, self._levels = native.lib, native.isa_levels
         cfg = model.config
         self.vocab, self.window, self.slots = cfg.vocab_size, cache.capacity, cache.slots
         self.max_threads = max_threads
         self.max_rows = max(max_rows, cache.slots)
-        weights = capture_weights(model)
-        caches: list = list(cache.layers)
-        tensors: list[torch.Tensor | None] = weights[:2]
-        for i, layer in enumerate(caches):
-            tensors += weights[2 + i * _WEIGHTS_PER_LAYER : 2 + (i + 1) * _WEIGHTS_PER_LAYER]
-            tensors += [layer.k, layer.v]
-        tensors += weights[2 + len(caches) * _WEIGHTS_PER_LAYER :]
         wdtype: torch.dtype = model.wte.weight.dtype
+        caches: list = list(cache.layers)
         kvdtype: torch.dtype = caches[0].k.dtype
-        if wdtype not in _TYPES or kvdtype not in _TYPES:
+        if wdtype not in _DTYPES or kvdtype not in _DTYPES:
             raise ValueError(
                 f"the native step runs float32 and bfloat16, not {wdtype} weights / {kvdtype} cache"
             )
-        for t in tensors:
+        types = {torch.float32: native.f32, torch.bfloat16: native.bf16}
+        config = Config(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, vocab=cfg.vocab_size,
+                        slots=cache.slots, window=cache.capacity, max_rows=self.max_rows,
+                        max_threads=max_threads, eps=cfg.layer_norm_epsilon, weight_type=types[wdtype],
+                        kv_type=types[kvdtype])
+        # Named as the ns_weights fields that point at them: this object holds them for the library.
+        self._tensors = capture_weights(model, native.panel)
+        for i, layer in enumerate(caches):
+            self._tensors[f"layers.{i}.k"], self._tensors[f"layers.{i}.v"] = layer.k, layer.v
+        for t in self._tensors.values():
             plain = t is None or (t.dtype in (torch.float32, wdtype, kvdtype) and t.device.type == "cpu"
                                   and t.is_contiguous())
             if not plain:
                 raise ValueError("the native step needs contiguous CPU tensors of the model's dtype")
-        self._tensors = tensors
-        ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() if t is not None else None for t in tensors])
-        omp = omp_entry_points() if use_openmp else None
-        if omp is None and max_threads > 1:
-            log.warning("native step: no libgomp entry points in this process, one thread only")
-        self._omp = (ctypes.c_void_p * len(omp))(*omp) if omp else None
-        self._handle = self._lib.ns_create(
-            cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cache.slots, cache.capacity, self.max_rows,
-            max_threads, cfg.layer_norm_epsilon, _TYPES[wdtype], _TYPES[kvdtype], ptrs, self._omp,
-        )
-        if not self._handle:
-            raise MemoryError("the native step could not allocate its buffers")
-        del weights  # self._tensors holds them now: a panel let go of below is freed at once
-        cap = len(NATIVE_ISAS) - 1 if max_isa == "auto" else NATIVE_ISAS.index(max_isa)
+        self._handle: int | None = self._create(config, cfg.n_layer, use_openmp)
+        cap = self._levels[NATIVE_ISAS[-1] if max_isa == "auto" else max_isa]
         best_tiles = self._lib.ns_tiles_possible(self._handle)
-        if hold_once and best_tiles and cap >= NATIVE_ISAS.index(TILE_ISAS[0]):
-            self._hold_once_in_tiles(len(caches), min(cap, best_tiles))
-        self.isa = NATIVE_ISAS[self._lib.ns_set_isa(self._handle, cap)]
-        # Per-call arguments (tokens, positions, slots, logit rows); like the library's own scratch
-        # buffers they make a NativeStep single-threaded: only the engine thread calls it.
+        if hold_once and best_tiles and cap >= self._levels[TILE_ISAS[0]]:
+            self._hold_once_in_tiles(cfg.n_layer, min(cap, best_tiles))
+        self.isa = self._isa_name(self._lib.ns_set_isa(self._handle, cap))
+        # Per-call arguments (tokens, positions, slots, logit rows), the arrays and the struct that
+        # points at them made once; like the library's own scratch buffers they make a NativeStep
+        # single-threaded: only the engine thread calls it.
         self._args: list[Any] = [(ctypes.c_int64 * self.max_rows)() for _ in range(4)]
+        tok, pos, slot, out = (ctypes.addressof(a) for a in self._args)
+        self._step = StepArgs(tok=tok, pos=pos, slot=slot, out=out)
+        self._step_ptr = ctypes.pointer(self._step)
+
+    def _create(self, config: Config, n_layer: int, use_openmp: bool) -> int:
+        """The library's model over self._tensors (its handle)."""
+        weights, layers = Weights(), (Layer * n_layer)()
+        point_at(weights, self._tensors)
+        for i in range(n_layer):
+            point_at(layers[i], self._tensors, f"layers.{i}.")
+        weights.layers = layers
+        omp = omp_entry_points() if use_openmp else None
+        if omp is None and config.max_threads > 1:
+            log.warning("native step: no libgomp entry points in this process, one thread only")
+        handle = self._lib.ns_create(ctypes.byref(config), ctypes.byref(weights),
+                                     ctypes.byref(OpenMP(**omp)) if omp else None)
+        if not handle:
+            raise MemoryError("the native step could not allocate its buffers")
+        return int(handle)
+
+    def _isa_name(self, level: int) -> str:
+        return next(name for name, at in self._levels.items() if at == level)
 
     def _hold_once_in_tiles(self, n_layer: int, level: int) -> None:
         """A tile level with the weights held once: each linear's tiles are made and its panels
         freed in turn (all tiles first would hold every weight twice for a while); then only the
         tile levels run."""
-        # Each layer's block of tensors is its weights, then k and v; the output layer's weight is
-        # second to last. The library numbers the linears in the same order.
-        per_layer = _WEIGHTS_PER_LAYER + 2
-        panels = [2 + i * per_layer + at for i in range(n_layer) for at in _LINEAR_WEIGHTS_AT]
-        for index, at in enumerate([*panels, len(self._tensors) - 2]):
+        panels = [f"layers.{i}.{name}.w" for i in range(n_layer) for name in _LAYER_LINEARS]
+        for index, name in enumerate([*panels, "head.w"]):  # ns_tile_linear's numbering
             if not self._lib.ns_tile_linear(self._handle, index):
                 raise MemoryError("the native step could not copy its weights into tiles")
-            self._tensors[at] = None
+            self._tensors[name] = None
         # From here the panels are gone: only the tile levels may run (the library reads none of them).
         if self._lib.ns_set_isa(self._handle, level) != level or not self._lib.ns_tiles_only(self._handle):
             raise MemoryError("the native step could not set up its tile kernels after copying its weights")
@@ -297,7 +331,7 @@ class NativeStep:
         levels up to avx512 compute the same function, avx2 and avx512 the same bits; the tile
         levels round a bf16 model's linear inputs). Returns the level in effect, which is lower
         where the CPU lacks the instructions (or a tile level once the panels are gone)."""
-        self.isa = NATIVE_ISAS[self._lib.ns_set_isa(self._handle, NATIVE_ISAS.index(name))]
+        self.isa = self._isa_name(self._lib.ns_set_isa(self._handle, self._levels[name]))
         return self.isa
 
     def __call__(
@@ -323,8 +357,10 @@ class NativeStep:
         tok, pos, slot, sel = self._args
         tok[:rows], pos[:rows], slot[:rows], sel[: len(out)] = tokens, positions, slots, out
         logits = torch.empty(len(out), self.vocab, dtype=torch.float32)
-        threads = max(1, min(torch.get_num_threads(), self.max_threads))
-        self._lib.ns_step(self._handle, rows, tok, pos, slot, len(out), sel, logits.data_ptr(), threads)
+        step = self._step  # points at self._args already: only the counts and the logits change
+        step.rows, step.n_out, step.logits = rows, len(out), logits.data_ptr()
+        step.threads = max(1, min(torch.get_num_threads(), self.max_threads))
+        self._lib.ns_step(self._handle, self._step_ptr)
         return logits
 
     def sample(
@@ -335,7 +371,7 @@ class NativeStep:
         """Draws out[r] (int64) for each row r of `logits` (N, V), float32 and contiguous on the
         CPU, whose temperature is above 0: the penalties (if given), temperature, top_k (0: off),
         top_p (1: off), min_p (0: off), typical_p (1 or None: off), then inverse-CDF sampling with
-        uniform[r], the rules of model/sampling.py's whole-vocabulary path (native/sampler.h says
+        uniform[r], the rules of model/sampling.py's whole-vocabulary path (native/sampler.inc says
         what may differ). A row of temperature 0 gets the first largest of its penalised logits
         (torch's max); the out of rows below 0 is left as it is."""
         n, v = logits.shape
@@ -344,18 +380,20 @@ class NativeStep:
         if not (logits.dtype == torch.float32 and logits.is_contiguous() and out.dtype == torch.int64
                 and out.is_contiguous() and len(out) == n and all(len(c) == n for c in columns)):
             raise ValueError("native sample: (N, V) float32 logits; N of each parameter; N int64 outs")
-        pen, keep = None, []
+        pen, keep = None, {}
         if penalties is not None:
             keep = penalties.arrays(n, v)
-            pen = (ctypes.c_void_p * 6)(*(a.data_ptr() for a in keep))
+            pen = ctypes.pointer(Penalties(**{name: a.data_ptr() for name, a in keep.items()}))
         t = torch.tensor(temperature, dtype=torch.float32)
         k = torch.tensor(top_k, dtype=torch.int64)
         p, mp, tp, u = (torch.tensor(c, dtype=torch.float64) for c in (top_p, min_p, typical_p, uniform))
         # Rows are dealt to threads whole: below ~64k logits a second thread's wake-up costs more.
         threads = max(1, min(torch.get_num_threads(), self.max_threads)) if n * v >= 1 << 16 else 1
-        args = (logits.data_ptr(), t.data_ptr(), k.data_ptr(), p.data_ptr(), mp.data_ptr(), tp.data_ptr(),
-                u.data_ptr(), out.data_ptr())
-        if self._lib.ns_sample(self._handle, n, v, *args, threads, pen):
+        args = SampleArgs(logits=logits.data_ptr(), temperature=t.data_ptr(), top_k=k.data_ptr(),
+                          top_p=p.data_ptr(), min_p=mp.data_ptr(), typical_p=tp.data_ptr(),
+                          uniform=u.data_ptr(), out=out.data_ptr(), penalties=pen, rows=n, vocab=v,
+                          threads=threads)
+        if self._lib.ns_sample(self._handle, ctypes.byref(args)):
             raise MemoryError("native sample: no scratch memory")
         del keep  # (the arrays the library read, alive until here)
 

@@ -59,7 +59,7 @@ class SigmoidGELU(nn.Module):
     """GELU, tanh form, computed as x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)) on mid-sized
     activations, where that is faster than F.gelu; F.gelu elsewhere.
 
-    On an AVX2-only CPU, 2 threads (`python bench/gelu.py`, bench/results/gelu-avx2.md):
+    On an AVX2-only CPU, 2 threads (`python -m bench.gelu`, bench/results/gelu-avx2.md):
     torch's tanh is slow there, so from 32k to 400k values (the MLP of a decode step at 16-128
     rows) the sigmoid form's five passes take 0.53-0.98x F.gelu's time. Below that one kernel's
     call overhead wins; above it (a prefill) the temporaries fall out of cache and fresh large

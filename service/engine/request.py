@@ -25,7 +25,6 @@ class Request:
     tokenizer: Tokenizer
     loop: asyncio.AbstractEventLoop
     queue: Inbox[TokenEvent]
-    fault: str | None = None  # "nan" / "raise" when the test-only fault injection targets it
     client: str | None = None  # who asked (an API key's or a peer's id), for fair admission
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set from the event loop; read by the engine thread

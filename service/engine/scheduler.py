@@ -25,8 +25,9 @@ import torch
 from model.tokenizer import Tokenizer
 from service.engine.config import EngineConfig
 from service.engine.request import Request
-from service.engine.runner import ModelRunner, SampleResult, WorkItem
+from service.engine.runner import ModelRunner
 from service.engine.types import FinishReason, TokenEvent, TopToken
+from service.engine.work import SampleResult, WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ class Scheduler:
         make it fail get an error, and their batch-mates their tokens (a draw depends only on the
         row's own seed and step, so drawing a row again gives the same token)."""
         try:
-            sampled = self.runner.sample(reqs, logits)
+            sampled = self.runner.next_tokens(reqs, logits)
         except Exception as e:
             if len(reqs) == 1:
                 log.warning("request %s failed in sampling: %s", reqs[0].request_id, e)

@@ -28,7 +28,7 @@ from prometheus_client import (
 )
 
 from service.engine.types import EngineObserver, TokenEvent
-from service.metrics.engine import EngineCollector, EngineMetricsObserver, StatsSource
+from service.metrics.engine_collector import EngineCollector, EngineMetricsObserver, StatsSource
 from service.metrics.http import HTTPMetricsMiddleware, arrival_time
 from service.metrics.instruments import LATENCY_BUCKETS, Instruments
 from service.metrics.stream import StreamRecord, TrackableStream, track_stream

@@ -3,7 +3,7 @@
 Names follow Prometheus conventions: `nanoserve_` prefix, base units (seconds, bytes) as suffixes,
 `_total` on counters. Labels stay low-cardinality: routes are templated paths, never raw URLs.
 The gauges that describe the engine's state are not here: they are read from `Engine.stats()` at
-scrape time (service/metrics/engine.py), so they can never drift from the truth.
+scrape time (service/metrics/engine_collector.py), so they can never drift from the truth.
 """
 
 from __future__ import annotations
@@ -43,6 +43,21 @@ class Instruments:
             "nanoserve_http_request_duration_seconds",
             "End-to-end request duration from HTTP arrival to the last byte sent, by route.",
             ("route",),
+        )
+        # Connections (service/connection_guard.py, updated by the server's protocol).
+        self.connection_limit_hits = counter(
+            "nanoserve_connection_limit_hits_total",
+            "Connections refused or closed by a connection limit, by limit (docs/limits.md).",
+            ("limit",),
+        )
+        self.connections_open = Gauge(
+            "nanoserve_connections_open", "Client connections open now (refused ones not counted).",
+            registry=registry,
+        )
+        self.connections_capacity = Gauge(
+            "nanoserve_connections_capacity",
+            "Connections beyond which new ones get 503 (max_connections, lowered to fit the file limit).",
+            registry=registry,
         )
         # Generation requests (service/metrics/stream.py).
         self.finished = counter(
@@ -85,7 +100,7 @@ class Instruments:
             "nanoserve_cropped_prompt_tokens_total",
             "Prompt tokens dropped from the left so the prompt fits the model's window.",
         )
-        # Engine thread (service/metrics/engine.py, EngineObserver hooks).
+        # Engine thread (service/metrics/engine_collector.py, EngineObserver hooks).
         self.prefill = seconds(
             "nanoserve_prefill_duration_seconds", "Time the engine spent prefilling one request's prompt."
         )

@@ -1,11 +1,11 @@
-"""bench/engine.py's write_results: where a benchmark's tables land."""
+"""bench/record.py's write_results: where a benchmark's tables land."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from bench.engine import write_results
+from bench.record import write_results
 
 
 def test_a_name_with_a_dot_keeps_it(tmp_path: Path) -> None:

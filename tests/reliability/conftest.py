@@ -2,10 +2,10 @@
 
 - `shared`: fewer KV slots than the load test's streams and a short queue, so load both queues and
   overflows; also takes the bad-input table, disconnects and the slow reader.
-- `secure`: API keys, one CORS origin and debug logging (so a leaked key would show); it also
-  has the engine's test-only fault injection "nan:" (prompts containing FAULT_MARKER get NaN
-  logits), which needs a server of its own and costs the security tests nothing.
-- `raise`: fault injection "raise:" (the forward pass raises when such a prompt is in the batch).
+- `secure`: API keys, one CORS origin and debug logging (so a leaked key would show); its backend
+  also injects the test fault "nan:" (prompts containing FAULT_MARKER get NaN logits; see
+  tests/faults.py), which needs a server of its own and costs the security tests nothing.
+- `raise`: the test fault "raise:" (the forward pass raises when such a prompt is in the batch).
   It and `secure` serve a 512-token window (LONG_WINDOW), the others the tiny 64-token one.
 - `drain`: gets SIGTERM under load.
 
@@ -44,12 +44,15 @@ FLEET = {
     "shared": {"NANOSERVE_MAX_SEQS": str(SHARED_MAX_SEQS), "NANOSERVE_MAX_QUEUE": str(SHARED_MAX_QUEUE),
                "NANOSERVE_DRAIN_TIMEOUT": "5"},
     "secure": {"NANOSERVE_API_KEYS": ",".join(API_KEYS), "NANOSERVE_CORS_ORIGINS": ALLOWED_ORIGIN,
-               "NANOSERVE_LOG_LEVEL": "debug", "NANOSERVE_FAULT_INJECTION": f"nan:{FAULT_MARKER}",
-               "NANOSERVE_DETERMINISTIC": "1", "NANOSERVE_MAX_NEW_TOKENS": str(MATE_TOKENS)},
-    "raise": {"NANOSERVE_FAULT_INJECTION": f"raise:{FAULT_MARKER}", "NANOSERVE_BODY_TIMEOUT": "2",
+               "NANOSERVE_LOG_LEVEL": "debug", "NANOSERVE_DETERMINISTIC": "1",
+               "NANOSERVE_MAX_NEW_TOKENS": str(MATE_TOKENS)},
+    "raise": {"NANOSERVE_BODY_TIMEOUT": "2",
               "NANOSERVE_MAX_NEW_TOKENS": str(MATE_TOKENS)},
     "drain": {"NANOSERVE_DRAIN_TIMEOUT": "60", "NANOSERVE_MAX_SEQS": "8"},
 }
+# Faults their backends inject (tests/faults.py): a prompt containing the marker gets NaN logits,
+# or makes the forward pass it is in raise.
+FAULTS = {"secure": f"nan:{FAULT_MARKER}", "raise": f"raise:{FAULT_MARKER}"}
 
 
 # Servers whose tests generate long streams (the fault test's batch-mates): a 512-token window,
@@ -65,7 +68,8 @@ def fleet(
     long_dir = tmp_path_factory.mktemp("ckpt") / "tiny-long"
     long_window = make_tiny_checkpoint(long_dir, block_size=LONG_WINDOW_TOKENS)
     servers = {
-        name: start_server(long_window if name in LONG_WINDOW else tiny_checkpoint, env={**ONE_THREAD, **env})
+        name: start_server(long_window if name in LONG_WINDOW else tiny_checkpoint, env={**ONE_THREAD, **env},
+                           fault=FAULTS.get(name))
         for name, env in FLEET.items()
     }
     try:

@@ -13,6 +13,7 @@ and refuses only the stalls these attacks used to cause (100x and more).
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import string
@@ -232,6 +233,10 @@ def test_lone_surrogates_are_refused_naming_the_character(server: ServerProcess)
     assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
 
 
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def random_text(n: int) -> str:
     """Words of random letters: the encoder's word cache cannot help, as with real text."""
     rng = random.Random(0)
@@ -263,7 +268,7 @@ def test_long_prompts_and_tokenize_floods_leave_others_served(server: ServerProc
     huge, big = random_text(1_000_000), random_text(400_000)
     medium = big[:30_000]  # under the cap: /tokenize answers ~29k tokens with their spans
     alone = baseline(server.base_url)
-    rss_before = rss_bytes(server.process.pid)
+    rss_before, fds_before = rss_bytes(server.process.pid), open_fds(server.process.pid)
     with Victim(server.base_url) as victim:
         refused = flood(server.base_url, "/generate", {"inputs": huge}, threads=4, each=2)
         generate = flood(server.base_url, "/generate", {"inputs": big}, threads=6, each=3)
@@ -279,8 +284,10 @@ def test_long_prompts_and_tokenize_floods_leave_others_served(server: ServerProc
     too_long = [r for r in generate if r.status_code == 422]
     assert too_long and all("tokens, more than" in error_message(r) for r in too_long)
     assert any(r.status_code == 200 and len(r.json()) > 20_000 for r in tokenize)
-    # The encoder's buffers are returned: at most 200 MB more than before the floods.
+    # The encoder's buffers are returned: at most 200 MB more than before the floods; and every
+    # connection the floods opened is closed again.
     assert rss_bytes(server.process.pid) - rss_before < 200 << 20
+    assert open_fds(server.process.pid) <= fds_before + 5
 
 
 def test_one_client_cannot_fill_the_queue_or_keep_others_behind_it(endless_server: ServerProcess) -> None:

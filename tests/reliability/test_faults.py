@@ -1,6 +1,6 @@
 """Faults while serving: mass disconnects, slow readers, engine failures, SIGTERM under load.
 
-The engine failures use the engine's test-only hook (`NANOSERVE_FAULT_INJECTION`): requests whose
+The engine failures are injected through the backend seam (tests/faults.py): requests whose
 prompt contains the marker get NaN logits ("nan:") or make the forward pass raise ("raise:").
 The servers come from the `fleet` fixture (tests/reliability/conftest.py).
 """

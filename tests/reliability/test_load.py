@@ -112,7 +112,7 @@ def test_chat_route_streams_complete(shared_server: ServerProcess) -> None:
 def test_cli_against_the_real_server(
     shared_server: ServerProcess, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """What a user runs: `bench/load.py --json` exits 0 and its figures add up."""
+    """What a user runs: `python -m bench.load --json` exits 0 and its figures add up."""
     code = main(["--url", shared_server.base_url, "-c", "4", "-n", "8", "--max-new-tokens", "8",
                  "--seed", "1", "--json", "--per-request"])
     summary = json.loads(capsys.readouterr().out)

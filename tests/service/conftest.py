@@ -28,9 +28,8 @@ def openai_server(tiny_checkpoint: Path) -> Iterator[ServerProcess]:
         "NANOSERVE_MAX_STOP_SEQUENCES": str(OPENAI_MAX_STOP_SEQUENCES),
         "NANOSERVE_MAX_SEQS": "4",
         "NANOSERVE_DRAIN_TIMEOUT": "2",
-        "NANOSERVE_FAULT_INJECTION": f"nan:{FAULT_MARKER}",
     }
-    with running_server(tiny_checkpoint, env=env) as server:
+    with running_server(tiny_checkpoint, env=env, fault=f"nan:{FAULT_MARKER}") as server:
         yield server
 
 

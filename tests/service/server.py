@@ -63,23 +63,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve_command(checkpoint: Path | str, port: int, args: Sequence[str] = ()) -> list[str]:
-    """The command line: the venv's `nanoserve` script when installed, else `python -m service.cli`."""
+def serve_command(checkpoint: Path | str, port: int, args: Sequence[str] = (), fault: str | None = None
+                  ) -> list[str]:
+    """The command line: the venv's `nanoserve` script when installed, else `python -m service.cli`;
+    with a `fault`, `python -m tests.faults` (the same command line, the fault injected)."""
     script = Path(sys.executable).parent / "nanoserve"
     base = [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
+    if fault is not None:
+        base = [sys.executable, "-m", "tests.faults"]
     return [*base, "serve", "--checkpoint", str(checkpoint), "--host", "127.0.0.1", "--port", str(port),
             "--device", "cpu", *args]
 
 
 def start_server(
-    checkpoint: Path | str, *, env: Mapping[str, str] | None = None, args: Sequence[str] = ()
+    checkpoint: Path | str, *, env: Mapping[str, str] | None = None, args: Sequence[str] = (),
+    fault: str | None = None,
 ) -> ServerProcess:
-    """Start (without waiting for readiness) a server process; the caller must stop it."""
+    """Start (without waiting for readiness) a server process; the caller must stop it. `fault`:
+    a fault the backend injects (tests/faults.py), e.g. "nan:POISON"."""
     port = free_port()
     log_file = tempfile.NamedTemporaryFile(prefix="nanoserve-", suffix=".log", delete=False)  # noqa: SIM115
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if fault is not None:
+        full_env["NANOSERVE_TEST_FAULT"] = fault
     process = subprocess.Popen(
-        serve_command(checkpoint, port, args), cwd=REPO_ROOT, env=full_env,
+        serve_command(checkpoint, port, args, fault), cwd=REPO_ROOT, env=full_env,
         stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
     )
     log_file.close()
@@ -121,15 +129,17 @@ def running_server(
     env: Mapping[str, str] | None = None,
     args: Sequence[str] = (),
     ready_timeout: float = 90.0,
+    fault: str | None = None,
 ) -> Iterator[ServerProcess]:
     """A ready server for the duration of the block; always stopped (and its log removed) after.
 
-    `env` adds NANOSERVE_* (or any) variables; `args` are extra `nanoserve serve` flags.
+    `env` adds NANOSERVE_* (or any) variables; `args` are extra `nanoserve serve` flags; `fault`
+    a fault its backend injects (tests/faults.py).
     A port taken between choosing and binding it is retried on another port (twice).
     """
     server = None
     for attempt in range(3):
-        server = start_server(checkpoint, env=env, args=args)
+        server = start_server(checkpoint, env=env, args=args, fault=fault)
         try:
             wait_ready(server, ready_timeout)
             break

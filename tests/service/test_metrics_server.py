@@ -23,8 +23,9 @@ from service.engine.types import FinishReason
 from service.http_protocol import NanoserveHttpProtocol
 from service.metrics import Metrics
 from service.settings import Settings
+from tests.faults import injected_faults
 
-FAULT = "FAULTY"  # prompts containing this get NaN logits (the engine's test-only fault injection)
+FAULT = "FAULTY"  # prompts containing this get NaN logits (tests/faults.py)
 
 
 @contextmanager
@@ -32,13 +33,14 @@ def serve_in_thread(checkpoint: Path, http: type[asyncio.Protocol] | str = Nanos
                     ) -> Iterator[tuple[str, Metrics]]:
     """The app on a uvicorn thread, by default with the protocol `nanoserve serve` runs."""
     settings = Settings(checkpoint=checkpoint, device="cpu", max_seqs=1, max_queue=1, keepalive_interval=0.2,
-                        drain_timeout=1.0, max_new_tokens=1_000_000, fault_injection=f"nan:{FAULT}")
+                        drain_timeout=1.0, max_new_tokens=1_000_000)
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", http=http))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
-    thread.start()
     try:
-        wait_until("the server to start", lambda: server.started or not thread.is_alive(), 60)
+        with injected_faults(f"nan:{FAULT}"):  # the engine is built during start-up
+            thread.start()
+            wait_until("the server to start", lambda: server.started or not thread.is_alive(), 60)
         assert server.started, "uvicorn exited during start-up"
         port = server.servers[0].sockets[0].getsockname()[1]
         yield f"http://127.0.0.1:{port}", app.state.metrics

@@ -23,9 +23,8 @@ def server(tiny_checkpoint) -> Iterator[ServerProcess]:  # type: ignore[no-untyp
         "NANOSERVE_MAX_QUEUE": "1",
         "NANOSERVE_KEEPALIVE_INTERVAL": "0.2",
         "NANOSERVE_MAX_NEW_TOKENS": "1000000",
-        "NANOSERVE_FAULT_INJECTION": f"nan:{FAULT}",
     }
-    with running_server(tiny_checkpoint, env=env) as srv:
+    with running_server(tiny_checkpoint, env=env, fault=f"nan:{FAULT}") as srv:
         yield srv
 
 

@@ -18,6 +18,14 @@
  * Nothing here links a Python or torch header: the caller passes raw pointers to tensors it keeps
  * alive (linear weights packed in panels, see gemv; the KV cache's (slots, heads, window, head_dim)
  * buffers), and the library is loaded with ctypes, which releases the GIL for the call.
+ *
+ * The parts: this file includes row_kernels.inc, matmul.inc, tiles.inc, attention.inc and
+ * sampler.inc, once each, in that order. They are fragments of this translation unit, not headers
+ * (no guards, no interface of their own: nanoserve_native.h is the library's interface), and stay
+ * one unit on purpose: their kernels are static functions the compiler inlines into the per-thread
+ * step loop below, and they share this file's Model, Job and helpers. As separate units each call
+ * between them would be a real call on the hot path (or need link-time optimisation), and their
+ * private types would become a second, internal header.
  */
 #include <math.h>
 #include <stdint.h>
@@ -31,16 +39,24 @@
 long syscall(long number, ...); /* <unistd.h> also declares a sync(), which this file defines */
 #endif
 
+#include "nanoserve_native.h"
+
 typedef void (*parallel_fn)(void (*fn)(void *), void *data, unsigned nthreads, unsigned flags);
 typedef void (*barrier_fn)(void);
 typedef int (*int_fn)(void);
 
 /* Element types of weights and of the KV cache: float32, or bfloat16 (the upper half of a float32;
  * computed in float32 all the same, see to_float). */
-enum { F32 = 0, BF16 = 1 };
+enum { F32 = NS_F32, BF16 = NS_BF16 };
 
 /* Kernel levels (ns_set_isa). The two tile levels read the bf16 tile copy and round inputs. */
-enum { ISA_C, ISA_AVX2, ISA_AVX512, ISA_AVX512BF16, ISA_AMX };
+enum {
+    ISA_C = NS_ISA_C,
+    ISA_AVX2 = NS_ISA_AVX2,
+    ISA_AVX512 = NS_ISA_AVX512,
+    ISA_AVX512BF16 = NS_ISA_AVX512BF16,
+    ISA_AMX = NS_ISA_AMX
+};
 
 typedef struct {
     const void *w; /* (out, in) packed in panels of the model's weight type, see gemv */
@@ -59,7 +75,8 @@ typedef struct {
     void *k, *v; /* (slots, n_head, window, head_dim), of type kvt */
 } Layer;
 
-typedef struct {
+/* The public header's opaque ns_model. */
+typedef struct ns_model {
     int n_layer, n_head, head_dim, n_embd, vocab, slots, window, max_rows, max_threads;
     float eps;
     int wt, kvt; /* element types of the weights (linear, embeddings) and of the KV cache */
@@ -84,7 +101,7 @@ typedef struct {
                  * block holds it; see attention_blocks) */
     int *next; /* per phase and thread's part of a step, chunks claimed so far (see claim) */
     unsigned char *seen; /* per slot, zero between steps (see own_slots) */
-    char *smp;           /* sampler.h's scratch, per thread, grown to the widest rows asked for */
+    char *smp;           /* sampler.inc's scratch, per thread, grown to the widest rows asked for */
     size_t smp_bytes;
     parallel_fn parallel;
     barrier_fn barrier;
@@ -135,7 +152,7 @@ static inline float to_float(const void *p, int type, size_t i) {
     return type == BF16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-#include "row_kernels.h"
+#include "row_kernels.inc"
 
 /* Ask for the cache line at p. An asm statement, not __builtin_prefetch: GCC 12 at -O2 and above
  * dropped every __builtin_prefetch of the attention's prefetches once inlined into the step (the
@@ -154,12 +171,12 @@ static inline void prefetch_into(const void *p, int l1) {
 #endif
 }
 static inline void prefetch_line(const void *p) { prefetch_into(p, 1); }
-/* Into L2 only (ahead_of in attention.h: see there why not into L1). */
+/* Into L2 only (ahead_of in attention.inc: see there why not into L1). */
 static inline void prefetch_line_l2(const void *p) { prefetch_into(p, 0); }
 
-#include "matmul.h"
+#include "matmul.inc"
 
-#include "tiles.h"
+#include "tiles.inc"
 
 /* Work is claimed, not dealt: each thread takes the next `chunk` items of a phase from a shared
  * counter until none are left. On a machine whose cores also run other things (the server's event
@@ -263,9 +280,9 @@ static void gemv_claimed(const Job *job, int phase, const Linear *l, const float
     }
 }
 
-#include "attention.h"
+#include "attention.inc"
 
-#include "sampler.h"
+#include "sampler.inc"
 
 /* ---------------------------------------------------------------- the step, per thread */
 
@@ -380,9 +397,7 @@ static void step_thread(void *arg) {
 #endif
 }
 
-/* ---------------------------------------------------------------- the interface */
-
-void ns_free(void *model);
+/* ---------------------------------------------------------------- the interface (nanoserve_native.h) */
 
 /* The model's linear layers, numbered: each layer's four (attn, proj, fc, mproj), then the output
  * layer (n_linears(m) - 1). */
@@ -433,8 +448,8 @@ static int tiles_ready(Model *m, int level) {
 }
 #endif
 
-/* The best level that reads the tile copy for this model here (3 AVX512-BF16, 4 AMX), or 0. */
-int ns_tiles_possible(void *model) {
+/* Only the tile levels read the tile copy: 0 below them. */
+int32_t ns_tiles_possible(ns_model *model) {
 #ifdef NS_X86
     return tiles_possible(model);
 #else
@@ -443,10 +458,9 @@ int ns_tiles_possible(void *model) {
 #endif
 }
 
-/* Make linear i's tile copy now (each layer's four in order, then the output layer), so a caller
- * that frees each panel after its tiles are made never holds two copies of every weight at once
- * (ns_set_isa would make them all together). Returns 1 if they exist. */
-int ns_tile_linear(void *model, int i) {
+/* One at a time, so a caller that frees each panel after its tiles are made never holds two copies
+ * of every weight at once (ns_set_isa would make them all together). */
+int32_t ns_tile_linear(ns_model *model, int32_t i) {
 #ifdef NS_X86
     Model *m = model;
     if (i < 0 || i >= n_linears(m) || m->wt != BF16) return 0;
@@ -459,9 +473,8 @@ int ns_tile_linear(void *model, int i) {
 #endif
 }
 
-/* With a tile level in use, stop reading the linear layers' panels: the caller may free them (the
- * weights are then held once, in tile order). Only the tile levels run afterwards. Returns 1 if done. */
-int ns_tiles_only(void *model) {
+/* The weights are then held once, in tile order. */
+int32_t ns_tiles_only(ns_model *model) {
     Model *m = model;
     if (!m->tiles) return 0;
     for (int i = 0; i < n_linears(m); i++) linear_at(m, i)->w = NULL;
@@ -469,13 +482,10 @@ int ns_tiles_only(void *model) {
     return 1;
 }
 
-/* The kernels to use, at most `level` (0 portable C, 1 AVX2 + FMA, 2 AVX-512 matrix kernels, 3
- * AVX512-BF16 and 4 AMX for a bfloat16 model's linear layers) and at most what this CPU has; returns
- * the level in effect. Levels 0-2 compute the same function, 1 and 2 the same bits; levels 3 and 4
- * round the linear layers' inputs to bfloat16 first (see gemv_dp, gemv_amx). Once the panels are
- * gone (ns_tiles_only) a request below level 3 gets level 3. (Lower levels are for comparing and
+/* Levels 0-2 compute the same function, 1 and 2 the same bits; levels 3 and 4 round the linear
+ * layers' inputs to bfloat16 first (see gemv_dp, gemv_amx). (Lower levels are for comparing and
  * benchmarking.) */
-int ns_set_isa(void *model, int level) {
+int32_t ns_set_isa(ns_model *model, int32_t level) {
     Model *m = model;
     if (m->tiles_only && level < ISA_AVX512BF16) level = ISA_AVX512BF16;
     m->avx2 = m->avx512 = m->tiles = 0;
@@ -490,72 +500,49 @@ int ns_set_isa(void *model, int level) {
     return m->tiles ? m->tiles : m->avx512 ? ISA_AVX512 : m->avx2 ? ISA_AVX2 : ISA_C;
 }
 
-static Linear linear(const void *const **p, int out, int in) {
-    Linear l = {(*p)[0], (const float *)(*p)[1], out, in, NULL};
-    *p += 2;
-    return l;
-}
+static Linear linear(ns_linear w, int out, int in) { return (Linear){w.w, w.b, out, in, NULL}; }
 
-static Norm norm(const void *const **p) {
-    Norm n = {(const float *)(*p)[0], (const float *)(*p)[1]};
-    *p += 2;
-    return n;
-}
+static Norm norm(ns_norm w) { return (Norm){w.w, w.b}; }
 
-/* ptrs: wte (or NULL when the output layer is tied to it: the embeddings are then read from the
- * head's panels, so the model needs them once), wpe; per layer ln1.w, ln1.b, attn.w, attn.b,
- * proj.w, proj.b, ln2.w, ln2.b, fc.w, fc.b, mproj.w, mproj.b, k, v; then lnf.w, lnf.b, head.w,
- * head.b. Biases may be NULL. Linear weights and embeddings are of type wt, k and v of type kvt
- * (F32 or BF16), the rest float32.
- * omp: GOMP_parallel, GOMP_barrier, omp_get_thread_num, omp_get_num_threads, or NULL (one thread). */
-void *ns_create(int n_layer, int n_head, int n_embd, int vocab, int slots, int window, int max_rows,
-                int max_threads, float eps, int wt, int kvt, const void *const *ptrs, void *const *omp) {
+ns_model *ns_create(const ns_config *cfg, const ns_weights *w, const ns_openmp *omp) {
     Model *m = calloc(1, sizeof(Model));
     if (!m) return NULL;
-    const int c = n_embd;
-    *m = (Model){.n_layer = n_layer, .n_head = n_head, .head_dim = n_embd / n_head, .n_embd = c,
-                 .vocab = vocab, .slots = slots, .window = window, .max_rows = max_rows,
-                 .max_threads = max_threads, .eps = eps, .wt = wt == BF16 ? BF16 : F32,
-                 .kvt = kvt == BF16 ? BF16 : F32};
+    const int c = cfg->n_embd, n_layer = cfg->n_layer, max_threads = cfg->max_threads;
+    *m = (Model){.n_layer = n_layer, .n_head = cfg->n_head, .head_dim = c / cfg->n_head, .n_embd = c,
+                 .vocab = cfg->vocab, .slots = cfg->slots, .window = cfg->window, .max_rows = cfg->max_rows,
+                 .max_threads = max_threads, .eps = cfg->eps, .wt = cfg->weight_type == BF16 ? BF16 : F32,
+                 .kvt = cfg->kv_type == BF16 ? BF16 : F32, .wte = w->wte, .wpe = w->wpe};
     if (omp) {
-        m->parallel = (parallel_fn)omp[0];
-        m->barrier = (barrier_fn)omp[1];
-        m->thread_num = (int_fn)omp[2];
-        m->num_threads = (int_fn)omp[3];
+        m->parallel = (parallel_fn)omp->parallel;
+        m->barrier = (barrier_fn)omp->barrier;
+        m->thread_num = (int_fn)omp->thread_num;
+        m->num_threads = (int_fn)omp->num_threads;
     }
-    const void *const *p = ptrs;
-    m->wte = *p++;
-    m->wpe = *p++;
     m->layers = calloc(n_layer, sizeof(Layer));
-    size_t r = max_rows;
+    size_t r = cfg->max_rows;
     m->x = calloc(r * c, sizeof(float));
     m->qkv = calloc(r * 3 * c, sizeof(float));
     m->y = calloc(r * c, sizeof(float));
     m->f = calloc(r * 4 * c, sizeof(float));
     m->h = calloc((size_t)max_threads * 2 * max_threads * c, sizeof(float));
     m->hn = calloc(r * c, sizeof(float));
-    m->att = calloc((size_t)max_threads * ATT_ROWS * window, sizeof(float));
+    m->att = calloc((size_t)max_threads * ATT_ROWS * cfg->window, sizeof(float));
     m->block = calloc(r, sizeof(int));
     m->next = calloc((size_t)PHASES(n_layer) * max_threads * CLAIM_PAD, sizeof(int));
-    m->seen = calloc(slots, 1);
+    m->seen = calloc(cfg->slots, 1);
     if (!m->layers || !m->x || !m->qkv || !m->y || !m->f || !m->h || !m->hn || !m->att || !m->block || !m->next ||
         !m->seen) {
         ns_free(m);
         return NULL;
     }
     for (int i = 0; i < n_layer; i++) {
-        Layer *L = &m->layers[i];
-        L->ln1 = norm(&p);
-        L->attn = linear(&p, 3 * c, c);
-        L->proj = linear(&p, c, c);
-        L->ln2 = norm(&p);
-        L->fc = linear(&p, 4 * c, c);
-        L->mproj = linear(&p, c, 4 * c);
-        L->k = (void *)*p++;
-        L->v = (void *)*p++;
+        const ns_layer *src = &w->layers[i];
+        m->layers[i] = (Layer){.ln1 = norm(src->ln1), .ln2 = norm(src->ln2), .attn = linear(src->attn, 3 * c, c),
+                               .proj = linear(src->proj, c, c), .fc = linear(src->fc, 4 * c, c),
+                               .mproj = linear(src->mproj, c, 4 * c), .k = src->k, .v = src->v};
     }
-    m->lnf = norm(&p);
-    m->head = linear(&p, vocab, c);
+    m->lnf = norm(w->lnf);
+    m->head = linear(w->head, cfg->vocab, c);
     ns_set_isa(m, ISA_AVX512); /* the caller asks for a tile level: its tiles take a copy of the weights */
     return m;
 }
@@ -571,45 +558,35 @@ static int own_slots(Model *m, int rows, const int64_t *slot) {
     return own;
 }
 
-/* One forward over `rows` token rows (<= max_rows): row i feeds tok[i] at pos[i] into cache slot
- * slot[i] (decode rows, or the tokens of prompt chunks, a sequence's in position order); the
- * logits of rows out[0..n_out) go to `logits`. On `threads` threads (<= max_threads). */
-void ns_step(void *model, int rows, const int64_t *tok, const int64_t *pos, const int64_t *slot, int n_out,
-             const int64_t *out, float *logits, int threads) {
-    Model *m = model;
-    Job job = {m, rows, !m->parallel || threads <= 1, tok, pos, slot, own_slots(m, rows, slot), out, n_out, logits};
+void ns_step(ns_model *m, const ns_step_args *a) {
+    Job job = {m, a->rows, !m->parallel || a->threads <= 1, a->tok, a->pos, a->slot, own_slots(m, a->rows, a->slot),
+               a->out, a->n_out, a->logits};
     attention_blocks(m, &job);
     if (job.serial)
         step_thread(&job);
     else
-        m->parallel(step_thread, &job, (unsigned)threads, 0);
+        m->parallel(step_thread, &job, (unsigned)a->threads, 0);
 }
 
-/* A token for each of `rows` rows of `vocab` float32 logits whose temperature is above 0, drawn as
- * sampler.h says with its top_k (0: off), top_p (1: off), min_p (0: off), typical_p (1: off) and
- * uniform number; the argmax after the penalties for rows of temperature 0; out[r] of rows below 0
- * is left as it is. pen: NULL (no penalties), or seen (slots, vocab) bytes, counts (slots, vocab)
- * int32, each row's slot (int64), repetition, frequency and presence factors (float32 each). On
- * `threads` threads, rows dealt out in turn. 0, or -1 when no scratch could be had. */
-int ns_sample(void *model, int rows, int vocab, const float *logits, const float *temperature, const int64_t *top_k,
-              const double *top_p, const double *min_p, const double *typical_p, const double *uniform, int64_t *out,
-              int threads, const void *const *pen) {
-    Model *m = model;
-    if (threads > rows) threads = rows;
+/* Rows are dealt out to the threads in turn. */
+int32_t ns_sample(ns_model *m, const ns_sample_args *a) {
+    int threads = a->threads > a->rows ? a->rows : a->threads;
     if (threads < 1) threads = 1;
-    const size_t each = sample_scratch_each(vocab), need = each * (size_t)threads;
+    const size_t each = sample_scratch_each(a->vocab), need = each * (size_t)threads;
     if (need > m->smp_bytes) {
         free(m->smp);
         m->smp = aligned_alloc(64, need);
         m->smp_bytes = m->smp ? need : 0;
         if (!m->smp) return -1;
     }
-    SampleJob job = {.m = m, .logits = logits, .rows = rows, .vocab = vocab, .serial = !m->parallel || threads <= 1,
-                     .temperature = temperature, .top_k = top_k, .top_p = top_p, .min_p = min_p,
-                     .typical_p = typical_p, .uniform = uniform, .out = out, .scratch = m->smp, .each = each};
+    SampleJob job = {.m = m, .logits = a->logits, .rows = a->rows, .vocab = a->vocab,
+                     .serial = !m->parallel || threads <= 1, .temperature = a->temperature, .top_k = a->top_k,
+                     .top_p = a->top_p, .min_p = a->min_p, .typical_p = a->typical_p, .uniform = a->uniform,
+                     .out = a->out, .scratch = m->smp, .each = each};
+    const ns_penalties *pen = a->penalties;
     if (pen) {
-        job.seen = pen[0], job.counts = pen[1], job.slot = pen[2];
-        job.repetition = pen[3], job.frequency = pen[4], job.presence = pen[5];
+        job.seen = pen->seen, job.counts = pen->counts, job.slot = pen->slot;
+        job.repetition = pen->repetition, job.frequency = pen->frequency, job.presence = pen->presence;
     }
     if (job.serial)
         sample_thread(&job);
@@ -618,8 +595,7 @@ int ns_sample(void *model, int rows, int vocab, const float *logits, const float
     return 0;
 }
 
-void ns_free(void *model) {
-    Model *m = model;
+void ns_free(ns_model *m) {
     if (!m) return;
     if (m->layers)
         for (int i = 0; i < n_linears(m); i++) free(linear_at(m, i)->tiles);

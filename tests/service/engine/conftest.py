@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import os
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,9 @@ from model.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.tokenizer import CharTokenizer
+from service.engine import native_step
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
-from service.engine.native_step import library_path
 from service.engine.types import SamplingParams, TokenEvent
 from tests.conftest import IN_CI, TINY_VOCAB_TEXT
 
@@ -42,12 +43,39 @@ def lively(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 EngineFactory = Callable[..., Engine]
 
 
+# Every engine test runs once per backend (`make_engine` builds engines on `backend`), so the torch
+# backend, the one a GPU runs, is tested as fully as the native one; where CUDA is present it runs
+# on the GPU too ("torch-cuda"). A test of one backend's own code says so with
+# @pytest.mark.backends("native").
+BACKENDS = ("native", "torch", *(("torch-cuda",) if torch.cuda.is_available() else ()))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("backends")
+        # A test's own list, less what this machine cannot run (torch-cuda without CUDA).
+        names = [b for b in marker.args if b in BACKENDS] if marker else list(BACKENDS)
+        metafunc.parametrize("backend", names, indirect=True)
+
+
 @pytest.fixture
-async def make_engine(lively: Checkpoint) -> AsyncIterator[EngineFactory]:
-    """Build started engines on the lively checkpoint (or another one); shut down afterwards."""
+def backend(request: pytest.FixtureRequest) -> str:
+    """The backend this test's engines use; the native one needs its library (see native_library)."""
+    if request.param == "native":
+        request.getfixturevalue("native_library")
+    return str(request.param)
+
+
+@pytest.fixture
+async def make_engine(lively: Checkpoint, backend: str) -> AsyncIterator[EngineFactory]:
+    """Build started engines on the lively checkpoint (or another one), on this test's backend
+    unless it names one; shut down afterwards."""
     engines: list[Engine] = []
 
     def factory(checkpoint: Checkpoint | None = None, observer=None, **overrides) -> Engine:  # type: ignore[no-untyped-def]
+        name, _, device = backend.partition("-")
+        overrides.setdefault("backend", name)
+        overrides.setdefault("device", device or "cpu")
         engine = Engine(checkpoint or lively, EngineConfig(**overrides), observer)
         engine.start()
         engines.append(engine)
@@ -72,10 +100,26 @@ def token_ids(events: list[TokenEvent]) -> list[int]:
     return [e.token_id for e in events if e.token_id is not None]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def sanitized_native_library() -> Iterator[None]:
+    """`make sanitize` runs the native step's tests on a build of it with AddressSanitizer and
+    UBSan, which NANOSERVE_TEST_NATIVE_LIBRARY names: the engine and NativeStep load it in place
+    of the installed library."""
+    path = os.environ.get("NANOSERVE_TEST_NATIVE_LIBRARY")
+    if not path:
+        yield
+        return
+    if not Path(path).is_file():
+        pytest.fail(f"NANOSERVE_TEST_NATIVE_LIBRARY={path} is not a file")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native_step, "library_path", lambda: Path(path))
+        yield
+
+
 @pytest.fixture(scope="session")
 def native_library() -> None:
     """Skip (fail in CI) a test of the native library where it is not built."""
-    if library_path() is None:
+    if native_step.library_path() is None:
         message = "service/engine/native/decode.c is not built (pip install -e . builds it)"
         if IN_CI:
             pytest.fail(message)

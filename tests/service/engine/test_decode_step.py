@@ -7,9 +7,9 @@ import torch
 
 import model.gpt as gpt_module
 from model.checkpoint import Checkpoint
-from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
 from service.engine.packed_linear import pack_linears, packed_linear_supported
+from service.engine.torch_decode import TorchDecodeStep
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -27,7 +27,7 @@ def test_decode_step_matches_the_model_forward(
         pack_linears(model, batch_hint=4)  # also swaps the MLP's GELU for SigmoidGELU
     cfg = model.config
     cache = SpanKVCache(cfg.n_layer, 6, cfg.n_head, cfg.block_size, cfg.head_dim, torch.float32, "cpu")
-    step = DecodeStep(model, cache)
+    step = TorchDecodeStep(model, cache)
     gen = torch.Generator().manual_seed(0)
     slots = [0, 1, 2] if slot_order == "consecutive" else [4, 1, 3]
     lengths = [5, 17, 9]  # every row at its own position

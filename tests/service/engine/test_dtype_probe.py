@@ -39,10 +39,11 @@ def test_engine_warns_when_its_dtype_is_slow_here(
 
     monkeypatch.setattr(engine_module, "cpu_matmul_slowdown", probe)
     with caplog.at_level(logging.WARNING, logger="service.engine.engine"):
-        config = EngineConfig(device="cpu", dtype="bfloat16", max_seqs=2, native_step=native_step)
+        config = EngineConfig(device="cpu", dtype="bfloat16", max_seqs=2,
+                              backend="native" if native_step else "torch")
         engine = Engine(lively, config)
     assert asked == [torch.bfloat16]
-    assert engine.info()["native_step"] is native_step
+    assert (engine.info()["backend"]["name"] == "native") is native_step
     assert engine.info()["dtype_matmul_slowdown_vs_float32"] == slowdown
     messages = [r.getMessage() for r in caplog.records]
     assert any("50x slower than float32" in m and "serve with dtype float32" in m

@@ -1,5 +1,6 @@
-"""OpenAI's logit_bias, on both sampling backends: the native step's sampler (CPU) and
-model/sampling.py's torch sampler; greedy and sampled rows; and its validation."""
+"""OpenAI's logit_bias, on every backend (make_engine runs each test once per backend: the native
+step's sampler, model/sampling.py's torch sampler, and torch on CUDA where present); greedy and
+sampled rows; and its validation."""
 
 from __future__ import annotations
 
@@ -10,10 +11,8 @@ from service.engine.validation import validate_params
 from tests.service.engine.conftest import EngineFactory, collect, token_ids
 
 
-@pytest.mark.parametrize("native_step", [True, False], ids=["native", "torch"])
-async def test_a_bias_bans_or_forces_tokens(make_engine: EngineFactory, native_step: bool,
-                                            native_library: None) -> None:
-    engine = make_engine(native_step=native_step)
+async def test_a_bias_bans_or_forces_tokens(make_engine: EngineFactory) -> None:
+    engine = make_engine()
     free = token_ids(await collect(engine, "Hello", max_new_tokens=8, temperature=0.0, stop_on_eos=False))
     # Greedy: banning the first pick changes it; the rest of the vocabulary is untouched.
     banned = token_ids(await collect(engine, "Hello", max_new_tokens=8, temperature=0.0, stop_on_eos=False,

@@ -1,4 +1,4 @@
-"""native/sampler.h draws what model/sampling.py's whole-vocabulary path draws (penalties,
+"""native/sampler.inc draws what model/sampling.py's whole-vocabulary path draws (penalties,
 temperature, top_k, top_p, min_p, typical_p, inverse-CDF sampling), and the runner hands it
 exactly the rows it can take."""
 
@@ -14,13 +14,15 @@ import torch
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.sampling import SamplingBatch, sample_tokens
+from service.engine.backends.native_backend import NativeBackend
+from service.engine.backends.torch_backend import torch_draw
 from service.engine.kv_slots import SpanKVCache
 from service.engine.native_step import NativeStep, SamplePenalties
-from service.engine.runner import ModelRunner
 from service.engine.types import SamplingParams
+from service.engine.work import needs_draw
 from tests.service.engine.conftest import EngineFactory, col, collect, token_ids
 
-pytestmark = pytest.mark.usefixtures("native_library")
+pytestmark = [pytest.mark.usefixtures("native_library"), pytest.mark.backends("native")]
 
 
 @pytest.fixture(scope="module", params=["best", "c"])
@@ -164,7 +166,7 @@ def test_the_native_sampler_follows_the_distribution(native: NativeStep) -> None
 
 
 def typical_reference(x: torch.Tensor, t: float, mass: float) -> tuple[np.ndarray, np.ndarray, float]:
-    """typical_p in float64 (what native/sampler.h computes, up to its float32 exp): each token's
+    """typical_p in float64 (what native/sampler.inc computes, up to its float32 exp): each token's
     probability and distance |log p + H| at temperature t, and the distance at the cut."""
     z = x.double().numpy() / t
     logp = z - z.max() - np.log(np.exp(z - z.max()).sum())
@@ -229,23 +231,16 @@ def test_typical_p_on_flat_wide_rows_keeps_the_float64_cut(native: NativeStep) -
         assert len(set(out.tolist())) > n // 2  # really sampled
 
 
-async def test_the_runner_samples_natively_only_what_the_native_sampler_does(
-    make_engine: EngineFactory,
-) -> None:
-    runner: ModelRunner = make_engine().runner
-    assert runner.native_step is not None
-    logits = torch.zeros(2, runner.vocab)
-
-    def takes(logits: torch.Tensor = logits, **params: float) -> bool:
-        req = SimpleNamespace(params=SamplingParams(**params))  # type: ignore[arg-type]
-        return runner.native_sampler_takes(req, logits)  # type: ignore[arg-type]
+def test_the_rows_that_draw_are_the_sampled_and_the_penalised_ones() -> None:
+    # The native backend draws every such row with its sampler; the others keep the argmax.
+    def takes(**params: float) -> bool:
+        return needs_draw(SimpleNamespace(params=SamplingParams(**params)))  # type: ignore[arg-type]
 
     assert takes(temperature=0.7) and takes(temperature=1.0, top_p=0.9, top_k=5, min_p=0.1)
     assert takes(temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5)
     assert not takes(temperature=0.0)  # greedy rows keep the max pass's argmax
     assert takes(temperature=0.0, repetition_penalty=1.2)  # unless a penalty moves it
     assert takes(temperature=1.0, typical_p=0.9)
-    assert not takes(logits.double(), temperature=1.0)
 
 
 async def test_a_request_draws_the_same_tokens_alone_and_beside_others(
@@ -294,6 +289,7 @@ async def test_an_engine_generates_the_same_tokens_with_either_sampler(
                 for i, p in enumerate(prompts)]
 
     native = await run()
-    monkeypatch.setattr(ModelRunner, "native_sampler_takes", lambda *_: False)
+    # The same native forwards, every row drawn by the torch backend's sampler instead.
+    monkeypatch.setattr(NativeBackend, "draw", lambda self, *args: torch_draw(*args, self.step.vocab))
     assert await run() == native
     assert len({t for tokens in native for t in tokens}) > 10  # really sampled

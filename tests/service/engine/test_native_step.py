@@ -19,10 +19,10 @@ from model.checkpoint import Checkpoint, load_checkpoint
 from model.config import GPTConfig
 from model.gpt import GPT
 from service.engine.config import TILE_ISAS
-from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
 from service.engine.native_step import NativeStep, omp_entry_points
 from service.engine.packed_linear import PackedLinear
+from service.engine.torch_decode import TorchDecodeStep
 from tests.service.engine.conftest import EngineFactory, collect, make_lively_checkpoint, token_ids
 
 # Widths that are not multiples of the kernels' vector and block sizes (40 features, heads of 10,
@@ -33,7 +33,7 @@ SHAPES = {
 }
 
 
-pytestmark = pytest.mark.usefixtures("native_library")
+pytestmark = [pytest.mark.usefixtures("native_library"), pytest.mark.backends("native")]
 
 
 def _model(cfg: GPTConfig) -> GPT:
@@ -94,7 +94,7 @@ def test_native_step_matches_the_torch_decode_step(shape: str, rows: int, openmp
     slots = [6, 0, 3, 1, 4][:rows]  # scattered slots, each at its own position
     lengths = dict(zip(slots, [5, 17, 1, 30, 9], strict=False))
     torch_cache, native_cache = _prefilled(model, 8, lengths), _prefilled(model, 8, lengths)
-    reference = DecodeStep(model, torch_cache)
+    reference = TorchDecodeStep(model, torch_cache)
     native = NativeStep(model, native_cache, max_threads=2, use_openmp=openmp)
     gen = torch.Generator().manual_seed(2)
     positions = [lengths[s] for s in slots]
@@ -127,7 +127,8 @@ def test_an_untied_output_layer_reads_its_own_weights_and_the_embeddings_theirs(
     native = NativeStep(model, native_cache, max_threads=1, use_openmp=False)
     tokens, positions, slots = [5, 9], [7, 3], [0, 2]
     torch_cache.prepare(slots, [p + 1 for p in positions])
-    want = DecodeStep(model, torch_cache)(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots))
+    step = TorchDecodeStep(model, torch_cache)
+    want = step(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots))
     torch.testing.assert_close(native(tokens, positions, slots), want, rtol=2e-5, atol=2e-5)
 
 
@@ -212,7 +213,7 @@ def test_rows_in_several_blocks_get_their_bits_alone_on_wide_layers(
 ) -> None:
     # Wide enough that a thread's chunk of a layer holds two panel pairs or more, and more rows
     # than one kernel block (12 rows): on AVX-512 the kernels of every block then also prefetch
-    # the next pair (matmul.h AHEAD_LOOP, in PANEL512 and tiles.h PANELDP), a second loop of each
+    # the next pair (matmul.inc AHEAD_LOOP, in PANEL512 and tiles.inc PANELDP), a second loop of each
     # kernel that must give the same bits as the plain loop a lone row runs.
     wide = GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=4, n_embd=256)
     dtype = torch.float32 if kernels == "float32" else torch.bfloat16
@@ -330,11 +331,12 @@ async def test_the_engine_decodes_natively_with_the_torch_paths_tokens(
     make_engine: EngineFactory, lively: Checkpoint
 ) -> None:
     native = make_engine(max_seqs=4)
-    plain = make_engine(max_seqs=4, native_step=False)
-    assert native.info()["native_step"] is True
-    assert plain.info()["native_step"] is False
-    assert native.info()["native_isa"] in ("avx2", "avx512", "c") and plain.info()["native_isa"] is None
-    assert native.runner.native_step is not None and plain.runner.native_step is None
+    plain = make_engine(max_seqs=4, backend="torch")
+    assert native.info()["backend"]["name"] == "native" and plain.info()["backend"]["name"] == "torch"
+    assert native.info()["backend"]["kernels"] in ("avx2", "avx512", "c")
+    assert plain.info()["backend"]["kernels"].startswith("torch cpu")
+    assert "asked for" in plain.info()["backend"]["reason"]
+    assert native.backend.name == "native" and plain.backend.name == "torch"
     for prompt in ("hello wor", "The quick brown", "~~ 42 ~~"):
         want = token_ids(await collect(plain, prompt, max_new_tokens=40, temperature=0.0))
         got = token_ids(await collect(native, prompt, max_new_tokens=40, temperature=0.0))
@@ -345,7 +347,7 @@ async def test_deterministic_mode_batches_rows_on_the_native_step(make_engine: E
     """The native step computes every row alone anyway, so deterministic mode lets rows share its
     forwards: decode rows, and equal-length prompt chunks."""
     engine = make_engine(max_seqs=4, deterministic=True)
-    assert engine.runner.native_step is not None
+    assert engine.backend.name == "native"
     groups: list[tuple[int, int]] = []  # (rows, tokens per row) of every forward
     run_group = engine.runner._run_group
 
@@ -370,8 +372,8 @@ async def test_a_bfloat16_engine_decodes_natively_as_float32_does_with_its_weigh
     rounded = _rounded(lively)
     low = make_engine(max_seqs=4, dtype="bfloat16", native_isa="avx512")
     full = make_engine(rounded, max_seqs=4)
-    assert low.info()["native_step"] is True and low.info()["dtype"] == "bfloat16"
-    assert low.info()["native_isa"] in ("c", "avx2", "avx512")
+    assert low.info()["backend"]["name"] == "native" and low.info()["dtype"] == "bfloat16"
+    assert low.info()["backend"]["kernels"] in ("c", "avx2", "avx512")
     assert low.runner.cache.layers[0].k.dtype == torch.bfloat16  # type: ignore[union-attr]
     for prompt in ("hello wor", "The quick brown", "~~ 42 ~~"):
         want = token_ids(await collect(full, prompt, max_new_tokens=40, temperature=0.0))
@@ -386,10 +388,11 @@ async def test_a_bfloat16_engine_on_bf16_dot_products_decodes_as_float32_does_wi
     float32 engine on the same rounded weights gives the same greedy tokens when its linear layers
     round their inputs."""
     low = make_engine(max_seqs=4, dtype="bfloat16")
-    if low.info()["native_isa"] not in TILE_ISAS:
-        pytest.skip(f"this CPU has no AVX512-BF16 nor AMX (the native step runs {low.info()['native_isa']})")
-    full = make_engine(_rounded(lively), max_seqs=4, native_step=False)  # torch's forward, to hook
-    with _bf16_inputs(full.runner.model, True) as hooks:
+    if low.info()["backend"]["kernels"] not in TILE_ISAS:
+        runs = low.info()["backend"]["kernels"]
+        pytest.skip(f"this CPU has no AVX512-BF16 nor AMX (the native step runs {runs})")
+    full = make_engine(_rounded(lively), max_seqs=4, backend="torch")  # torch's forward, to hook
+    with _bf16_inputs(full.model, True) as hooks:
         assert len(hooks) == 4 * lively.config.n_layer + 1
         for prompt in ("hello wor", "The quick brown", "~~ 42 ~~"):
             want = token_ids(await collect(full, prompt, max_new_tokens=40, temperature=0.0))
@@ -410,8 +413,8 @@ async def test_a_bfloat16_kv_cache_halves_the_cache_and_both_paths_agree(
     torch's kernels (which widen the cache) give the same greedy tokens from it."""
     full = make_engine(max_seqs=4)
     native = make_engine(max_seqs=4, kv_cache_dtype="bfloat16")
-    plain = make_engine(max_seqs=4, kv_cache_dtype="bfloat16", native_step=False)
-    assert native.info()["native_step"] is True and plain.info()["native_step"] is False
+    plain = make_engine(max_seqs=4, kv_cache_dtype="bfloat16", backend="torch")
+    assert native.info()["backend"]["name"] == "native" and plain.info()["backend"]["name"] == "torch"
     for engine in (native, plain):
         assert engine.info()["kv_cache_dtype"] == "bfloat16"
         assert engine.info()["kv_cache_bytes"] * 2 == full.info()["kv_cache_bytes"]
@@ -433,14 +436,14 @@ async def test_an_engine_on_the_native_step_holds_no_checkpoint_memory(
     ckpt = load_checkpoint(make_lively_checkpoint(tmp_path / "ckpt"))
     refs = [StorageWeakRef(t.untyped_storage()) for t in ckpt.state_dict.values()]
     # The control keeps torch's layout too (no oneDNN packing, which replaces the weights as well).
-    engine = make_engine(ckpt, max_seqs=2, native_step=native, packed_linear=False)
-    want = token_ids(await collect(make_engine(lively, max_seqs=2, native_step=False), "hello wor",
+    engine = make_engine(ckpt, max_seqs=2, backend="native" if native else "torch", packed_linear=False)
+    want = token_ids(await collect(make_engine(lively, max_seqs=2, backend="torch"), "hello wor",
                                    max_new_tokens=20, temperature=0.0))
     del ckpt
     gc.collect()
     assert [ref.expired() for ref in refs] == [native] * len(refs)
     assert not engine.checkpoint.state_dict  # the engine keeps the checkpoint's metadata only
-    assert (engine.runner.released_bytes > 0) == native
+    assert (getattr(engine.backend, "released_bytes", 0) > 0) == native
     if native:  # gone from the model too; the tied embedding with its output layer (read from its panels)
         assert engine.model.h[0].mlp.c_fc.weight.is_meta and engine.model.wte.weight.is_meta
         assert engine.model.wte.weight is engine.model.lm_head.weight
@@ -528,7 +531,7 @@ def test_on_a_tile_level_the_weights_are_held_once_with_the_same_logits(shape: s
     if keep.isa not in TILE_ISAS:
         pytest.skip(f"no AVX512-BF16 nor AMX here (the native step runs {keep.isa}): nothing is dropped")
     once = NativeStep(model, _prefilled(model, 3, lengths, torch.bfloat16), max_threads=2, hold_once=True)
-    dropped = sum(t is None for t in once._tensors) - sum(t is None for t in keep._tensors)
+    dropped = sum(t is None for t in once._tensors.values()) - sum(t is None for t in keep._tensors.values())
     assert dropped == 4 * model.config.n_layer + 1
     assert once.isa == keep.isa
     assert once.use_isa("avx512") == "avx512bf16"  # nothing left for the lower levels to read

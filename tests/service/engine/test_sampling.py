@@ -344,14 +344,11 @@ async def test_seeded_sampling_same_alone_and_batched(make_engine: EngineFactory
     assert other != alone
 
 
-@pytest.mark.parametrize("native", [True, False])
-async def test_a_temperature_too_low_to_sample_decodes_greedily(
-    make_engine: EngineFactory, native: bool
-) -> None:
+async def test_a_temperature_too_low_to_sample_decodes_greedily(make_engine: EngineFactory) -> None:
     # Below GREEDY_BELOW the engine decodes greedily: at 1e-45 logits / temperature overflowed
     # float32 and each sampler drew nonsense (the native one random tokens, torch's one repeated
     # token), where 1e-30 still gave the greedy tokens.
-    engine = make_engine(native_step=native)
+    engine = make_engine()
     params = dict(max_new_tokens=12, stop_on_eos=False)
     greedy = token_ids(await collect(engine, "Hello there", temperature=0.0, **params))
     for t in (1e-45, 1e-30, GREEDY_BELOW / 2):
@@ -403,7 +400,7 @@ async def test_the_runner_flags_rows_with_no_usable_distribution(
         req = Request("r", [1], params, slot, 0, lively.tokenizer, loop, Inbox(loop))
         req.slot = slot
         reqs.append(req)
-    result = runner.sample(reqs, logits)
+    result = runner.next_tokens(reqs, logits)
     assert result.finite == [True, True, False, False, False, True]
     if temperature == 0.0:
         assert [result.tokens[i] for i in (0, 1, 5)] == [3, 3, 3]

@@ -15,6 +15,7 @@ from model.reference import reference_generate
 from model.tokenizer import EOT, BPETokenizer, CharTokenizer
 from service.engine.detokenizer import IncrementalDecoder, StopMatcher
 from service.engine.types import FinishReason, InvalidRequest, SamplingParams
+from tests.faults import injected_faults
 from tests.service.engine.conftest import EngineFactory, collect, token_ids
 
 MULTIBYTE = "héllo wörld, ça va? 日本語のテキスト 🎉🎉 naïve café — ünïcödé ∑∫ " * 4
@@ -133,7 +134,8 @@ async def test_logprobs_and_top_tokens(make_engine: EngineFactory, lively: Check
 async def test_failing_request_does_not_take_down_batch_mates(
     make_engine: EngineFactory, lively: Checkpoint, kind: str
 ) -> None:
-    engine = make_engine(fault_injection=f"{kind}:POISON", max_seqs=4)
+    with injected_faults(f"{kind}:POISON"):
+        engine = make_engine(max_seqs=4)
     prompts = ["Hello", "abc POISON", "xyz", "The end"]
     results = await asyncio.gather(
         *(collect(engine, p, max_new_tokens=30, temperature=0.0, stop_on_eos=False) for p in prompts)
@@ -157,14 +159,14 @@ async def test_a_request_whose_sampling_raises_fails_alone(
     # Whatever a request's parameters make the sampler raise, only that request ends in an error:
     # the step bisects the batch and its mates get the tokens they get alone.
     engine = make_engine(max_seqs=4)
-    real_sample = engine.runner.sample
+    real_sample = engine.runner.next_tokens
 
     def sample(reqs, logits):  # type: ignore[no-untyped-def]
         if any(r.seed == 666 for r in reqs):
             raise OverflowError("Overflow when unpacking long long")
         return real_sample(reqs, logits)
 
-    monkeypatch.setattr(engine.runner, "sample", sample)
+    monkeypatch.setattr(engine.runner, "next_tokens", sample)
     prompts = ["Hello", "abc", "xyz", "The end"]
     seeds = [1, 666, 2, 3]
     results = await asyncio.gather(*(

@@ -1,12 +1,15 @@
-"""bench/engine.py's tables: a run's markdown and JSON from its results, or again from a saved run
-(`python bench/engine.py --render <run>.json`, the limits recomputed from its measurements)."""
+"""bench/engine_throughput.py's tables: a run's markdown and JSON from its results, or again from a
+saved run (`python -m bench.engine_throughput --render <run>.json`, the limits recomputed from its
+measurements)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from bench.engine import DTYPES, SHAPES, Run, ShapeResult, model_costs
-from model.config import GPTConfig
+from bench.levers import lever_table
+from bench.limits import model_costs
+from bench.shapes import DTYPES, SHAPES
+from bench.throughput_runs import Run, ShapeResult
 
 
 def table(results: list[ShapeResult]) -> str:
@@ -53,7 +56,7 @@ def load_results(saved: dict[str, Any]) -> list[ShapeResult]:
                           r.get("new_tokens", args["new_tokens"] if r["shape"] == "10.7M"
                                 else max(4, args["new_tokens"] // 2)))
         res.limits = dict(r["limits"])
-        costs = model_costs(GPTConfig(**SHAPES[r["shape"]]), DTYPES[r["dtype"]])
+        costs = model_costs(SHAPES[r["shape"]], DTYPES[r["dtype"]])
         names = ("weight_bytes", "flops_per_token", "head_flops_per_token")
         res.limits.update(zip(names, costs, strict=True))
         res.runs = [Run(**{k: v for k, v in x.items() if k != "tps"}) for x in r["runs"]]
@@ -63,8 +66,6 @@ def load_results(saved: dict[str, Any]) -> list[ShapeResult]:
 
 def render(meta: dict[str, Any], results: list[ShapeResult], extra: str = "") -> tuple[dict[str, Any], str]:
     """A run's JSON payload and its markdown: the table, the levers if run, `extra`, the limits."""
-    from bench.levers import lever_table
-
     args = meta["args"]
     md = table(results)
     if args.get("levers"):

@@ -1,6 +1,6 @@
 """The forward alone: the native step (service/engine/native/decode.c) vs torch's kernels.
 
-    python bench/decode_step.py [--shapes 10.7M,124M] [--rows 1,4,16,64] [--prefill 16,64,256]
+    python -m bench.forward_kernels [--shapes 10.7M,124M] [--rows 1,4,16,64] [--prefill 16,64,256]
 
 Decode: for each random-weight model shape and batch size, the same cache, prefilled to position 40
 for every row, and the same one-token batch, through the torch decode step (oneDNN packed linears,
@@ -20,32 +20,29 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.engine import SHAPES, machine
+from bench.record import RESULTS, machine
+from bench.shapes import SHAPES
 from bench.timing import best_median_s
-from model.config import GPTConfig
 from model.gpt import GPT
 from service.engine.config import TILE_ISAS
-from service.engine.decode_step import DecodeStep
 from service.engine.kv_slots import SpanKVCache
 from service.engine.native_step import NativeStep
 from service.engine.packed_linear import pack_linears
+from service.engine.torch_decode import TorchDecodeStep
 
-RESULTS = Path(__file__).resolve().parent / "results"
 POSITION = 40
 
 
 @torch.inference_mode()
 def bench_shape(shape: str, rows_list: list[int], prefills: list[int], steps: int, rounds: int) -> list[str]:
-    cfg = GPTConfig(**SHAPES[shape])
+    cfg = SHAPES[shape]
     torch.manual_seed(0)
     model = GPT(cfg).eval()
     slots = max(rows_list)
@@ -57,7 +54,7 @@ def bench_shape(shape: str, rows_list: list[int], prefills: list[int], steps: in
     native = NativeStep(model, cache, max_threads=torch.get_num_threads(),
                         max_rows=max([*prefills, 1]))
     pack_linears(model, batch_hint=slots)
-    reference = DecodeStep(model, cache)
+    reference = TorchDecodeStep(model, cache)
     for slot in range(slots):  # every row at POSITION, its own prompt
         cache.prepare([slot], [POSITION])
         prompt = torch.randint(0, cfg.vocab_size, (1, POSITION))
@@ -102,12 +99,12 @@ def bench_shape(shape: str, rows_list: list[int], prefills: list[int], steps: in
     return lines
 
 
-def _on_avx2(native: NativeStep, run: Callable[[], None]) -> dict[str, Callable[[], None]]:
+def _on_avx2(native: NativeStep, run: Callable[[], object]) -> dict[str, Callable[[], object]]:
     """Where the CPU has AVX-512, the native step again with its AVX2 kernels (same bits)."""
     return {"native avx2": _at_level(native, "avx2", run)} if native.isa == "avx512" else {}
 
 
-def _at_level(native: NativeStep, level: str, run: Callable[[], None]) -> Callable[[], None]:
+def _at_level(native: NativeStep, level: str, run: Callable[[], object]) -> Callable[[], object]:
     """`run` with the native step's kernels at `level` (then back to the best)."""
     best = native.isa
 
@@ -137,27 +134,30 @@ def bench_dtypes(
     shape: str, rows_list: list[int], positions: list[int], steps: int, rounds: int
 ) -> list[str]:
     """The native step with float32 or bfloat16 weights and KV cache, decode rows at each position."""
-    cfg = GPTConfig(**SHAPES[shape])
+    cfg = SHAPES[shape]
     torch.manual_seed(0)
     base = GPT(cfg).eval()
     slots = max(rows_list)
-    steppers = {}
+    steppers: dict[str, NativeStep] = {}
     for name, (wdtype, kvdtype) in VARIANTS.items():
         cache = SpanKVCache(cfg.n_layer, slots, cfg.n_head, cfg.block_size, cfg.head_dim, kvdtype, "cpu")
         for layer in cache.layers:  # any values: only the bytes read matter here
-            layer.k.normal_(), layer.v.normal_()  # type: ignore[union-attr]
+            for buf in (layer.k, layer.v):
+                assert isinstance(buf, torch.Tensor)
+                buf.normal_()
         model = copy.deepcopy(base).to(wdtype)
         steppers[name] = NativeStep(model, cache, max_threads=torch.get_num_threads())
     lines = []
     for rows in rows_list:
         for position in positions:
             toks, pos, slot = [1] * rows, [position] * rows, list(range(rows))
-            fns = {name: (lambda st=st: st(toks, pos, slot)) for name, st in steppers.items()}  # noqa: B023
+            fns: dict[str, Callable[[], object]] = {
+                name: partial(st, toks, pos, slot) for name, st in steppers.items()}
             bf16 = steppers["bfloat16 / bfloat16"]
             if bf16.isa in TILE_ISAS:  # the same step on the widening kernels: float32 inputs
                 fns["bfloat16 / bfloat16, AVX-512 widening"] = _at_level(
-                    bf16, "avx512", fns["bfloat16 / bfloat16"])  # type: ignore[arg-type]
-            best = best_median_s(fns, steps, rounds)  # type: ignore[arg-type]
+                    bf16, "avx512", fns["bfloat16 / bfloat16"])
+            best = best_median_s(fns, steps, rounds)
             first = best[next(iter(VARIANTS))]
             for name, t in best.items():
                 lines.append(f"| {shape} | {rows} | {position} | {name} | {t * 1e3:.2f} | {first / t:.2f} |")
@@ -166,7 +166,8 @@ def bench_dtypes(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.forward_kernels", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="10.7M,124M")
     ap.add_argument("--rows", default="1,4,16,64")
     ap.add_argument("--prefill", default="16,64,256,1024", help="prompt lengths (tokens) to prefill")
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     for shape in args.shapes.split(","):
         steps = args.steps if shape == "10.7M" else max(5, args.steps // 4)
-        window = SHAPES[shape]["block_size"]
+        window = SHAPES[shape].block_size
         if args.dtypes:
             positions = [p for p in (int(x) for x in args.positions.split(",")) if p < window]
             lines += bench_dtypes(shape, rows, positions, steps, args.rounds)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +34,13 @@ class _Layer:
     cache: SpanLayerCache
 
 
-class DecodeStep:
+class TorchDecodeStep:
     def __init__(self, model: GPT, cache: SpanKVCache) -> None:
         if model.training:
             raise ValueError("the decode step is for inference: put the model in eval() mode")
+        if model.config.family != "gpt2" or model.wpe is None:
+            raise ValueError("the straight-line decode step is GPT-2's (LayerNorm, GELU, learned positions)")
+        self.wpe: nn.Embedding = model.wpe
         self.model = model
         self.cache = cache
         cfg = model.config
@@ -45,7 +49,8 @@ class DecodeStep:
         caches: list[SpanLayerCache] = list(cache.layers)  # type: ignore[arg-type]
         self.layers = [
             _Layer(
-                ln_1=block.ln_1, c_attn=block.attn.c_attn, c_proj=block.attn.c_proj, ln_2=block.ln_2,
+                ln_1=cast(nn.LayerNorm, block.ln_1), c_attn=block.attn.c_attn, c_proj=block.attn.c_proj,
+                ln_2=cast(nn.LayerNorm, block.ln_2),
                 c_fc=block.mlp.c_fc, act=block.mlp.gelu.forward,
                 mlp_proj=block.mlp.c_proj, cache=layer_cache,
             )
@@ -57,7 +62,7 @@ class DecodeStep:
         already prepared). Returns the next-token logits (B, V)."""
         m = self.model
         b, nh, hs, c = idx.shape[0], self.n_head, self.head_dim, self.n_embd
-        x = m.wte(idx) + m.wpe(pos)  # (B, C)
+        x = m.wte(idx) + self.wpe(pos)  # (B, C)
         positions = pos.view(-1, 1)  # (B, T=1)
         mask = additive_mask(positions, self.cache.span.length, x.dtype)  # (B, 1, 1, S)
         for layer in self.layers:
@@ -68,5 +73,6 @@ class DecodeStep:
             x = x + layer.c_proj(y.reshape(b, c))
             h = F.layer_norm(x, (c,), layer.ln_2.weight, layer.ln_2.bias, layer.ln_2.eps)
             x = x + layer.mlp_proj(layer.act(layer.c_fc(h)))
-        x = F.layer_norm(x, (c,), m.ln_f.weight, m.ln_f.bias, m.ln_f.eps)
+        ln_f = cast(nn.LayerNorm, m.ln_f)
+        x = F.layer_norm(x, (c,), ln_f.weight, ln_f.bias, ln_f.eps)
         return m.lm_head(x)  # type: ignore[no-any-return]

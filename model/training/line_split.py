@@ -1,0 +1,48 @@
+"""Corpora of one item a line (names, words): a held-out split by line and the loss on it.
+
+Every 10th line (index % 10 == 9, counting from 0) is held out, so the split does not depend on the
+file's order. The loss on a held-out line counts each of its characters and its closing newline,
+each predicted from the newline that starts the line and the line's characters before it: what a
+model sampling new items from a fresh line is asked to do.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from model.gpt import GPT
+from model.tokenizer import Tokenizer
+
+
+def split_lines(text: str) -> tuple[list[str], list[str]]:
+    """(training lines, held-out lines) of `text` (a trailing newline adds no line)."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return ([line for i, line in enumerate(lines) if i % 10 != 9],
+            [line for i, line in enumerate(lines) if i % 10 == 9])
+
+
+@torch.no_grad()
+def line_loss(model: GPT, tokenizer: Tokenizer, lines: list[str], batch: int = 512) -> float:
+    """Mean cross-entropy (nats a token) of `lines`, each read as "\\n" + line -> line + "\\n"."""
+    model.eval()
+    device = model.wte.weight.device
+    total, count = 0.0, 0
+    rows = [tokenizer.encode("\n" + line + "\n") for line in lines]
+    for start in range(0, len(rows), batch):
+        chunk = rows[start : start + batch]
+        width = max(len(r) for r in chunk) - 1
+        if width > model.config.block_size:
+            raise ValueError(f"a line of {width} tokens is longer than the model's window")
+        idx = torch.zeros(len(chunk), width, dtype=torch.long)
+        targets = torch.full((len(chunk), width), -100, dtype=torch.long)  # -100: padding, not counted
+        for j, r in enumerate(chunk):
+            idx[j, : len(r) - 1] = torch.tensor(r[:-1])
+            targets[j, : len(r) - 1] = torch.tensor(r[1:])
+        logits = model(idx.to(device)).float()
+        total += F.cross_entropy(logits.view(-1, logits.size(-1)), targets.to(device).view(-1),
+                                 ignore_index=-100, reduction="sum").item()
+        count += int((targets != -100).sum())
+    return total / count

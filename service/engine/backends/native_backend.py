@@ -1,0 +1,71 @@
+"""The native CPU backend: every forward is one call of the C step (native_step.py), and every
+row that draws is drawn by its C sampler (native/sampler.inc)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from model.gpt import GPT
+from model.sampling import seeded_uniform
+from service.engine.backends.base import Backend
+from service.engine.kv_slots import SpanKVCache
+from service.engine.native_step import NativeStep, SamplePenalties, release_weights
+from service.engine.penalties import PenaltyState
+from service.engine.request import Request
+from service.engine.work import WorkItem, needs_draw, uses_penalties
+
+
+class NativeBackend(Backend):
+    name = "native"
+    # Rows are computed independently (no reduction runs across rows; threads split output
+    # features), so a row's logits do not depend on its batch or the thread count.
+    batch_invariant = True
+
+    def __init__(self, model: GPT, cache: SpanKVCache, max_rows: int, cpu_threads: int, isa: str) -> None:
+        self.cache = cache
+        self.device = torch.device("cpu")
+        self.step = NativeStep(model, cache, max_threads=cpu_threads, max_rows=max_rows, hold_once=True,
+                               max_isa=isa)
+        self.max_rows = self.step.max_rows
+        # The step holds its own copies of the weights; the model's would only hold them twice.
+        # Nothing may run the model's forward after this (its weights become meta tensors).
+        self.released_bytes = release_weights(model)
+
+    def kernels(self) -> str:
+        return self.step.isa
+
+    def forward(self, items: Sequence[WorkItem]) -> torch.Tensor:
+        t = len(items[0].tokens)
+        # Every token is a row; a prompt chunk's rows see each other's keys (native_step.py).
+        tokens = [tok for it in items for tok in it.tokens]
+        positions = [p for it in items for p in range(it.start, it.start + t)]
+        rows = [it.req.slot for it in items for _ in range(t)]
+        return self.step(tokens, positions, rows, [j * t + t - 1 for j in range(len(items))])
+
+    def draw(self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor,
+             penalties: PenaltyState) -> torch.Tensor:
+        logits = logits.to(torch.float32).contiguous()  # as the step returns them: no copy
+        tokens = greedy.clone()
+        drawing = [needs_draw(r) for r in reqs]
+        ps = [r.params for r in reqs]
+        penal = [j for j, r in enumerate(reqs) if drawing[j] and uses_penalties(r)]
+        self.step.sample(
+            logits,
+            [p.temperature if d else -1.0 for p, d in zip(ps, drawing, strict=True)],  # -1: keep greedy
+            [p.top_k or 0 for p in ps],
+            [p.top_p if p.top_p is not None else 1.0 for p in ps],
+            [p.min_p or 0.0 for p in ps],
+            [seeded_uniform(r.seed, len(r.generated)) for r in reqs],
+            tokens,
+            SamplePenalties(
+                penalties.seen, penalties.counts, [r.slot for r in reqs],
+                [p.repetition_penalty or 1.0 for p in ps], [p.frequency_penalty for p in ps],
+                [p.presence_penalty for p in ps],
+            ) if penal else None,
+            typical_p=[p.typical_p if p.typical_p is not None else 1.0 for p in ps],
+        )
+        if penal:
+            penalties.record([reqs[j] for j in penal], tokens[penal])
+        return tokens

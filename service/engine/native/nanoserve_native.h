@@ -1,0 +1,175 @@
+/* nanoserve's native step: one forward of a GPT-2 decoder over token rows on CPU, and the sampler
+ * that draws the rows' next tokens. This header is the library's whole interface: every exported
+ * function, its parameter structs and the constants a caller needs. service/engine/native_abi.py
+ * mirrors it for ctypes and checks, when it loads the library, that the library's ABI version,
+ * struct layouts and constants are the ones it was written against.
+ *
+ * Change a function, a struct or a constant's meaning here and bump NS_ABI_VERSION with it (and
+ * the mirror's NS_ABI_VERSION): a loader refuses a library of another version instead of passing
+ * it arguments it reads differently.
+ *
+ * Memory: the library keeps raw pointers to what ns_create is given (weights and KV cache buffers)
+ * and never frees them; the caller keeps them alive until ns_free. Counts are int32_t and
+ * per-row arrays int64_t (torch's index type), so the caller passes its tensors' memory as is.
+ */
+#ifndef NANOSERVE_NATIVE_H
+#define NANOSERVE_NATIVE_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define NS_API __attribute__((visibility("default")))
+
+#define NS_ABI_VERSION 1
+
+/* Linear weights come packed in panels of NS_PANEL output features: panel p holds W[p * NS_PANEL + j][k]
+ * at [p][k][j] (float32), or, in bfloat16, features j and j + NS_PANEL / 2 of input k side by side,
+ * zero-padded past the layer's outputs (native_step.py, pack_panels). */
+#define NS_PANEL 16
+
+/* Element types of weights and of the KV cache (bfloat16: the upper half of a float32). */
+enum ns_type { NS_F32 = 0, NS_BF16 = 1 };
+
+/* Kernel levels (ns_set_isa), each at most what the CPU has: portable C, AVX2 + FMA, AVX-512, and
+ * for bfloat16 models the two tile levels, AVX512-BF16 dot products and AMX, which round the linear
+ * layers' inputs to bfloat16. Levels up to NS_ISA_AVX512 compute the same function. */
+enum ns_isa { NS_ISA_C = 0, NS_ISA_AVX2 = 1, NS_ISA_AVX512 = 2, NS_ISA_AVX512BF16 = 3, NS_ISA_AMX = 4 };
+
+/* A model: what ns_create makes, opaque to the caller. */
+typedef struct ns_model ns_model;
+
+/* ---------------------------------------------------------------- making a model */
+
+typedef struct {
+    int32_t n_layer, n_head, n_embd, vocab;
+    int32_t slots, window;    /* the KV cache: sequences and positions per sequence */
+    int32_t max_rows;         /* the most rows one ns_step takes */
+    int32_t max_threads;      /* the most threads ns_step and ns_sample are asked to use */
+    float eps;                /* the layer norms' epsilon */
+    int32_t weight_type;      /* enum ns_type of the linear weights and embeddings */
+    int32_t kv_type;          /* enum ns_type of the KV cache */
+} ns_config;
+
+typedef struct {
+    const float *w, *b; /* (n_embd,) float32 each; b may be NULL */
+} ns_norm;
+
+typedef struct {
+    const void *w; /* (out, in) in NS_PANEL panels, of the config's weight_type */
+    const float *b; /* (out,) float32, or NULL */
+} ns_linear;
+
+typedef struct {
+    ns_norm ln1;
+    ns_linear attn, proj; /* attention's (3 n_embd, n_embd) and (n_embd, n_embd) */
+    ns_norm ln2;
+    ns_linear fc, mproj;  /* the MLP's (4 n_embd, n_embd) and (n_embd, 4 n_embd) */
+    void *k, *v;          /* the layer's KV cache, (slots, n_head, window, head_dim) of kv_type each */
+} ns_layer;
+
+typedef struct {
+    /* (vocab, n_embd) and (positions, n_embd) of the weight type. wte NULL: the output layer is
+     * tied to the embeddings, which are then read from its panels (held once). */
+    const void *wte, *wpe;
+    const ns_layer *layers; /* n_layer of them; read by ns_create, not kept */
+    ns_norm lnf;
+    ns_linear head; /* (vocab, n_embd) */
+} ns_weights;
+
+/* libgomp's entry points as the caller's process loaded them (GOMP_parallel, GOMP_barrier,
+ * omp_get_thread_num, omp_get_num_threads), so that the library runs its parallel regions on the
+ * caller's own OpenMP team instead of starting a second pool. */
+typedef struct {
+    void *parallel, *barrier, *thread_num, *num_threads;
+} ns_openmp;
+
+/* A model over these weights and KV cache, at kernel level NS_ISA_AVX512 or the best below it this
+ * CPU has; omp NULL: every call runs on the calling thread alone. NULL when out of memory. */
+NS_API ns_model *ns_create(const ns_config *config, const ns_weights *weights, const ns_openmp *omp);
+
+NS_API void ns_free(ns_model *model);
+
+/* ---------------------------------------------------------------- kernel levels */
+
+/* The kernels to use, at most `level` (enum ns_isa) and at most what this CPU has; returns the
+ * level in effect. Once the panels are gone (ns_tiles_only) a request below NS_ISA_AVX512BF16 gets
+ * that level. */
+NS_API int32_t ns_set_isa(ns_model *model, int32_t level);
+
+/* The best tile level this model can run here (NS_ISA_AVX512BF16 or NS_ISA_AMX), or 0. */
+NS_API int32_t ns_tiles_possible(ns_model *model);
+
+/* Make linear i's tile copy now. Linears are numbered each layer's attn, proj, fc, mproj in turn,
+ * then the output layer (4 n_layer). Returns 1 if it exists. */
+NS_API int32_t ns_tile_linear(ns_model *model, int32_t i);
+
+/* With a tile level in use, stop reading the linear layers' panels (the caller may free them):
+ * only the tile levels run afterwards. Returns 1 if done. */
+NS_API int32_t ns_tiles_only(ns_model *model);
+
+/* ---------------------------------------------------------------- a forward */
+
+typedef struct {
+    const int64_t *tok, *pos, *slot; /* (rows,) each: row i feeds tok[i] at pos[i] into slot[i] */
+    const int64_t *out; /* (n_out,) the rows whose logits are wanted */
+    float *logits;      /* (n_out, vocab) */
+    int32_t rows;       /* 1..max_rows */
+    int32_t n_out;
+    int32_t threads;    /* 1..max_threads */
+} ns_step_args;
+
+/* One forward over args->rows token rows: decode rows, or the tokens of prompt chunks (a
+ * sequence's rows in position order), each writing its key and value into its slot at its
+ * position and attending over that slot's positions 0..pos. Nothing is checked: the caller keeps
+ * every token, position, slot and out row in range. */
+NS_API void ns_step(ns_model *model, const ns_step_args *args);
+
+/* ---------------------------------------------------------------- sampling */
+
+/* The repetition, frequency and presence penalties of a ns_sample call. */
+typedef struct {
+    const uint8_t *seen;   /* (slots, vocab): whether each token was seen (prompt or generated) */
+    const int32_t *counts; /* (slots, vocab): how often each token was generated */
+    const int64_t *slot;   /* (rows,) each row's slot */
+    const float *repetition, *frequency, *presence; /* (rows,) each; 1, 0, 0: off */
+} ns_penalties;
+
+typedef struct {
+    const float *logits;      /* (rows, vocab) */
+    const float *temperature; /* (rows,) 0: greedy; below 0: the row is skipped */
+    const int64_t *top_k;     /* (rows,) 0: off */
+    const double *top_p, *min_p, *typical_p; /* (rows,) 1, 0, 1: off */
+    const double *uniform;    /* (rows,) each row's uniform number in [0, 1) */
+    int64_t *out;             /* (rows,) the tokens drawn */
+    const ns_penalties *penalties; /* NULL: none */
+    int32_t rows, vocab;
+    int32_t threads; /* rows are dealt out to at most this many */
+} ns_sample_args;
+
+/* A token for each row of temperature above 0: the penalties, temperature, top_k, top_p, min_p,
+ * typical_p, then inverse-CDF sampling with the row's uniform number (model/sampling.py's rules;
+ * sampler.inc says what may differ); the first largest penalised logit for rows of temperature
+ * 0; out[r] of rows below 0 is left as it is. 0, or -1 when no scratch memory could be had. */
+NS_API int32_t ns_sample(ns_model *model, const ns_sample_args *args);
+
+/* ---------------------------------------------------------------- what a loader checks */
+
+/* NS_ABI_VERSION as this library was compiled. */
+NS_API int32_t ns_abi_version(void);
+
+/* The value of a constant of this header by name ("NS_PANEL", "NS_BF16", "NS_ISA_AMX", ...), so that
+ * a loader reads it instead of copying it; -1 for an unknown name. */
+NS_API int64_t ns_constant(const char *name);
+
+/* sizeof(type) when field is NULL, else offsetof(type, field), for the structs of this header by
+ * name ("ns_step_args", "logits"), so that a loader checks its mirror; -1 for an unknown name. */
+NS_API int64_t ns_layout(const char *type, const char *field);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* NANOSERVE_NATIVE_H */
