@@ -25,9 +25,8 @@ def server(tiny_checkpoint) -> Iterator[ServerProcess]:  # type: ignore[no-untyp
         "NANOSERVE_MAX_SEQS": "1",
         "NANOSERVE_MAX_QUEUE": "1",
         "NANOSERVE_MAX_NEW_TOKENS": str(MAX_NEW_TOKENS),
-        "NANOSERVE_FAULT_INJECTION": f"nan:{FAULT}",
     }
-    with running_server(tiny_checkpoint, env=env) as srv:
+    with running_server(tiny_checkpoint, env=env, fault=f"nan:{FAULT}") as srv:
         yield srv
 
 
