@@ -30,6 +30,7 @@ from service.generation import (
     sse_response,
     start_generation,
 )
+from service.merged_stream import MergedStream, merged_sse_response
 from service.routes.openai_format import (
     DONE,
     ChatChunks,
@@ -174,16 +175,17 @@ async def completions(body: CompletionRequest, request: Request, engine: EngineD
         if isinstance(prompt, list) and (bad := next((t for t in prompt if t >= vocab), None)) is not None:
             raise APIError(422, f"prompt: token id {bad} is not in this model's vocabulary [0, {vocab})",
                            code="invalid_token_id", param="prompt")
-    if body.stream and len(prompts) > 1:
-        raise APIError(422, f"prompt: {len(prompts)} prompts cannot share one stream here; stream "
-                       "one prompt per request, or send them without `stream`", code="unsupported",
-                       param="prompt")
     reply = Reply.new("cmpl", model, engine.tokenizer)
-    if body.stream:
+    if body.stream and len(prompts) == 1:
         gen = await start_generation(request, engine, prompts[0], params, param="prompt")
         render = CompletionChunks(reply, body.logprobs, body.include_usage())
         return _sse(gen, render, settings)
     gens = await _start_all(request, engine, prompts, params)
+    if body.stream:  # one stream, each prompt's chunks under its choice's index
+        renders = [CompletionChunks(reply, body.logprobs, False, index=i) for i in range(len(gens))]
+        totals = CompletionChunks(reply, None, body.include_usage())
+        merged = MergedStream(gens, renders, totals.usage_chunk)
+        return merged_sse_response(merged, settings, trailer=[DONE])
     results = []
     for done in await collect_all(request, gens):
         logprobs = None

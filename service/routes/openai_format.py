@@ -123,11 +123,14 @@ def completion_response(
         choices.append(CompletionChoice(index=i, text=text, logprobs=logprobs,
                                         finish_reason=finish_reason(last.finish_reason)))
         usages.append(usage_of(last))
-    usage = Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
-                  completion_tokens=sum(u.completion_tokens for u in usages),
-                  total_tokens=sum(u.total_tokens for u in usages))
     return CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=choices,
-                              usage=usage)
+                              usage=summed_usage(usages))
+
+
+def summed_usage(usages: list[Usage]) -> Usage:
+    return Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
+                 completion_tokens=sum(u.completion_tokens for u in usages),
+                 total_tokens=sum(u.total_tokens for u in usages))
 
 
 def chat_response(reply: Reply, text: str, last: TokenEvent,
@@ -170,10 +173,12 @@ class _Chunks:
 class CompletionChunks(_Chunks):
     """/v1/completions: a chunk per text delta (and per token when logprobs are asked for)."""
 
-    def __init__(self, reply: Reply, top_n: int | None, include_usage: bool) -> None:
+    def __init__(self, reply: Reply, top_n: int | None, include_usage: bool, index: int = 0) -> None:
         super().__init__(reply, include_usage)
+        self.index = index  # the prompt's choice, when a request has several
         self.logprobs = CompletionLogprobsBuilder(reply, top_n) if top_n is not None else None
-        self.text_chunk = EventTemplate(lambda text: self._envelope([CompletionChoice(text=text)]))
+        self.text_chunk = EventTemplate(
+            lambda text: self._envelope([CompletionChoice(index=index, text=text)]))
 
     def _envelope(self, choices: list[Any], usage: Usage | None = None) -> bytes:
         r = self.reply
@@ -181,7 +186,12 @@ class CompletionChunks(_Chunks):
                                             usage=usage))
 
     def _finish_choice(self, reason: FinishName) -> CompletionChoice:
-        return CompletionChoice(text="", finish_reason=reason)
+        return CompletionChoice(index=self.index, text="", finish_reason=reason)
+
+    def usage_chunk(self, finals: list[TokenEvent]) -> Iterator[bytes]:
+        """The usage chunk of several prompts' streams, summed (when asked for)."""
+        if self.include_usage:
+            yield self._envelope([], summed_usage([usage_of(e) for e in finals]))
 
     def _content(self, event: TokenEvent) -> Iterator[bytes]:
         logprobs = None
@@ -189,7 +199,7 @@ class CompletionChunks(_Chunks):
             self.logprobs.add(event)
             logprobs = self.logprobs.take()
         if logprobs is not None:
-            yield self._envelope([CompletionChoice(text=event.text, logprobs=logprobs)])
+            yield self._envelope([CompletionChoice(index=self.index, text=event.text, logprobs=logprobs)])
         elif event.text:
             yield self.text_chunk(event.text)
 

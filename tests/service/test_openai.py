@@ -252,8 +252,20 @@ def test_prompt_forms_and_unknown_model(client: openai.OpenAI, checkpoint: Check
     as_ids_twice = client.completions.create(model="tiny-test", prompt=[ids, ids], max_tokens=6,
                                              temperature=0)
     assert [c.text for c in as_ids_twice.choices] == [as_text.choices[0].text] * 2
-    with pytest.raises(openai.BadRequestError, match="cannot share one stream"):
-        client.completions.create(model="tiny-test", prompt=["a", "b"], max_tokens=1, stream=True)
+    # ... and streamed: each prompt's chunks under its index, both finishes, then the summed usage.
+    chunks = list(client.completions.create(model="tiny-test", prompt=["Hath", "ROMEO"], max_tokens=6,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    streamed = ["", ""]
+    finishes = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        streamed[choice.index] += choice.text
+        if choice.finish_reason is not None:
+            finishes[choice.index] = choice.finish_reason
+    assert streamed == texts[:2] and finishes == {0: "length", 1: "length"}
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 12
     # `model` does not choose (one model is served): any name gets the served model's answer.
     other = client.completions.create(model="gpt-4", prompt="Hath", max_tokens=6, temperature=0)
     assert other.model == "tiny-test" and other.choices[0].text == as_text.choices[0].text
@@ -330,6 +342,31 @@ def test_closing_a_stream_frees_its_slot(client: openai.OpenAI, server: ServerPr
         time.sleep(0.1)
     assert metric_value(metrics, cancelled) == before + 1
     assert "nanoserve_running_sequences 0.0" in metrics
+
+
+def test_closing_a_stream_of_several_prompts_cancels_them_all(client: openai.OpenAI,
+                                                               server: ServerProcess) -> None:
+    cancelled = 'nanoserve_requests_cancelled_total{route="/v1/completions"}'
+    before = metric_value(httpx.get(server.base_url + "/metrics", timeout=5).text, cancelled)
+    stream = client.completions.create(model="tiny-test", prompt=["Long", "Longer"],
+                                       max_tokens=MAX_NEW_TOKENS, temperature=1.0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    stream.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        metrics = httpx.get(server.base_url + "/metrics", timeout=5).text
+        if metric_value(metrics, cancelled) == before + 2 and "nanoserve_running_sequences 0.0" in metrics:
+            break
+        time.sleep(0.1)
+    assert metric_value(metrics, cancelled) == before + 2
+    assert "nanoserve_running_sequences 0.0" in metrics
+    # One prompt failing inside the engine ends the shared stream with the error event.
+    with pytest.raises(openai.APIError, match="non-finite logits"):
+        for _ in client.completions.create(model="tiny-test", prompt=["Hath", f"{FAULT_MARKER} x"],
+                                           max_tokens=5, stream=True):
+            pass
 
 
 def test_a_failed_generation_surfaces_as_an_sdk_error(client: openai.OpenAI, server: ServerProcess) -> None:
