@@ -19,6 +19,7 @@ from pydantic import (
     ValidationInfo,
     field_validator,
     model_serializer,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -46,10 +47,33 @@ class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="Send a last chunk with `usage` before `[DONE]`.")
 
 
-class GenerationRequest(BaseModel):
-    """Fields shared by completions and chat completions."""
+def _null_is_default(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """OpenAPI: the fields `_nulls_to_defaults` accepts null for say so."""
+    for name in _defaulted(model):
+        prop = schema.get("properties", {}).get(name)
+        if prop is not None and "anyOf" not in prop:
+            default = prop.pop("default", None)
+            schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], "default": default}
 
-    model_config = _STRICT
+
+def _defaulted(model: type[BaseModel]) -> list[str]:
+    """Optional fields whose default is a value, not null."""
+    return [name for name, f in model.model_fields.items() if not f.is_required() and f.default is not None]
+
+
+class GenerationRequest(BaseModel):
+    """Fields shared by completions and chat completions. OpenAI's API takes null for any optional
+    field as "the default": so does this one (null `temperature` is 1, null `n` is 1, ...)."""
+
+    model_config = ConfigDict(**_STRICT, json_schema_extra=_null_is_default)  # type: ignore[typeddict-item]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_to_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            defaulted = set(_defaulted(cls))
+            return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+        return data
 
     model: str | None = Field(
         None, max_length=256, description="Not used to choose: the server serves one model, which "

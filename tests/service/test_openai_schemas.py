@@ -48,6 +48,15 @@ def test_neutral_values_some_clients_always_send_are_accepted() -> None:
     })
     ChatCompletionRequest.model_validate({**CHAT, "tool_choice": "auto", "parallel_tool_calls": True,
                                           "metadata": {"app": "x"}})
+    # null is the default for every optional field, as in OpenAI's API (the SDK sends null for an
+    # argument given as None).
+    nulls = ChatCompletionRequest.model_validate({
+        **CHAT, "temperature": None, "top_p": None, "n": None, "stream": None, "logprobs": None,
+        "frequency_penalty": None, "presence_penalty": None, "max_tokens": None,
+    })
+    assert (nulls.temperature, nulls.top_p, nulls.n) == (1.0, 1.0, 1)
+    assert nulls.stream is False and nulls.logprobs is False
+    assert CompletionRequest.model_validate({"prompt": "x", "echo": None}).echo is False
     biased = ChatCompletionRequest.model_validate({**CHAT, "logit_bias": {"5": -100, "17": 2.5}})
     assert biased.bias_pairs() == ((5, -100.0), (17, 2.5))
 
