@@ -281,6 +281,7 @@ def test_null_means_default_and_neutral_fields_are_accepted(client: openai.OpenA
     reply = client.chat.completions.create(
         model="whatever-the-client-calls-it", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
         tools=[], tool_choice="none", parallel_tool_calls=False, store=False, metadata={}, temperature=0,
+        top_p=None, n=None, presence_penalty=None,  # the SDK sends these as null
     )
     assert reply.model == "tiny-test" and reply.choices[0].finish_reason in ("length", "stop")
 
