@@ -16,6 +16,9 @@ $(VENV)/.installed: pyproject.toml $(wildcard $(NATIVE)/*.c $(NATIVE)/*.h $(NATI
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH_SPEC)"
 	$(PIP) install --quiet -e '.[dev]'
+	# TGI's own client for the compatibility tests: its metadata pins huggingface_hub<1, which
+	# current transformers refuses, and it runs fine beside newer hub versions.
+	$(PIP) install --quiet --no-deps 'text-generation>=0.7,<1'
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,7 +1,8 @@
 """The OpenAPI document, completed where FastAPI cannot infer it from the routes.
 
-- Every operation lists the errors the middleware and dependencies can answer with (the shared
-  error shape): 400/413/415/422 where there is a body, 401 when API keys are on, 503 everywhere
+- Every operation lists the errors the middleware and dependencies can answer with, in its API
+  family's shape (service/error_dialects.py): 400/413/415/422 where there is a body (400, not 422,
+  on /v1), 401 when API keys are on, 503 everywhere
   but /metrics (draining / not loaded), 429 on generation routes, 500 anywhere.
 - Streaming responses are `text/event-stream` with an `itemSchema` per event (OpenAPI 3.2's way,
   which tools such as schemathesis read on 3.1 too); the event payload models are added to the
@@ -18,13 +19,16 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from service.auth import METRICS_PATH, is_public
+from service.error_dialects import family
 from service.schemas.common import ErrorResponse
+from service.schemas.native import TGIErrorResponse
 
 # Models that only appear inside event streams; registered by the modules that stream them.
 SSE_MODELS: dict[str, type[BaseModel]] = {}
 _BODY_ERRORS = {400: "Body is not UTF-8.", 413: "Request body too large.", 415: "Body is not JSON.",
                 422: "Invalid request (the message names the field)."}
 _ERROR_REF = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+_TGI_ERROR_REF = {"application/json": {"schema": {"$ref": "#/components/schemas/TGIErrorResponse"}}}
 
 
 def sse_response_doc(description: str, model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
@@ -49,7 +53,7 @@ def sse_response_doc(description: str, model: type[BaseModel]) -> dict[int | str
 
 def _add_models(schema: dict[str, Any]) -> None:
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    models: list[type[BaseModel]] = [*SSE_MODELS.values(), ErrorResponse]
+    models: list[type[BaseModel]] = [*SSE_MODELS.values(), ErrorResponse, TGIErrorResponse]
     for model in models:
         found = model.model_json_schema(ref_template="#/components/schemas/{model}")
         for name, sub in found.pop("$defs", {}).items():
@@ -64,17 +68,24 @@ def _add_errors(schema: dict[str, Any], app: FastAPI) -> None:
             responses = op.setdefault("responses", {})
             public = is_public(method.upper(), path, settings.metrics_require_auth)
             extra: dict[int, str] = {500: "Internal error (a clean error body, never a traceback)."}
+            fam = family(method.upper(), path)
             if "requestBody" in op:
                 extra.update(_BODY_ERRORS)
                 extra[429] = "Overloaded: retry after `Retry-After` seconds."
+                if fam == "openai":  # OpenAI answers every invalid request 400
+                    del extra[422]
+                    extra[400] = "Invalid request (the message names the field in `param`)."
             if path != METRICS_PATH:
                 extra[503] = "Not ready, or shutting down."
             if settings.api_keys and not public:
                 extra[401] = "Missing or invalid API key."
             elif public:
                 op.pop("security", None)
+            if fam == "openai":
+                responses.pop("422", None)  # FastAPI's own validation entry
+            content = _TGI_ERROR_REF if fam == "tgi" else _ERROR_REF
             for status, description in extra.items():
-                responses.setdefault(str(status), {"description": description, "content": _ERROR_REF})
+                responses.setdefault(str(status), {"description": description, "content": content})
 
 
 def install_openapi(app: FastAPI) -> None:

@@ -1,10 +1,10 @@
 """The FastAPI application: `create_app(settings)` builds it; the lifespan loads the model.
 
 Layout of a request (outermost first): RequestContextMiddleware (arrival time, X-Request-Id,
-access log) -> CORS (only when origins are configured) -> the metrics middleware ->
-HeaderLimitMiddleware (431) -> DrainGate (503 while shutting down) -> BodyLimitMiddleware (413)
--> HeadAsGet (HEAD on GET routes) -> ApiKeyGate (401, when keys are set) -> FastAPI (routes, the
-shared error handlers of service/errors.py).
+access log) -> the metrics middleware -> ErrorDialects (each API family's error shape) -> CORS
+(only when origins are configured) -> HeaderLimitMiddleware (431) -> DrainGate (503 while
+shutting down) -> BodyLimitMiddleware (413) -> HeadAsGet (HEAD on GET routes) -> ApiKeyGate
+(401, when keys are set) -> FastAPI (routes, the shared error handlers of service/errors.py).
 The OpenAPI document is completed by service/api_docs.py (shared error statuses, SSE events).
 
 Integration points for other modules:
@@ -46,6 +46,7 @@ from service.engine.backends.factory import check_backend
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.threads import single_threaded_executor
+from service.error_dialects import ErrorDialects
 from service.errors import install_error_handlers
 from service.head import HeadAsGet
 from service.heap import freeze_startup_heap, return_free_memory
@@ -199,14 +200,17 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app.add_middleware(DrainGate, is_draining=app.state.lifecycle.is_draining)
     app.add_middleware(HeaderLimitMiddleware, max_bytes=settings.max_header_bytes,
                        max_count=settings.max_headers)
-    app.state.metrics.install(app)
     if settings.cors_origins:
+        from service.routes.openai import DROPPED_HEADER
+
         app.add_middleware(
             CORSMiddleware,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
-            expose_headers=["X-Request-Id", "Retry-After"],
+            expose_headers=["X-Request-Id", "Retry-After", DROPPED_HEADER],
         )
+    app.add_middleware(ErrorDialects)  # outside CORS: its plain-text refusals get the error shape
+    app.state.metrics.install(app)  # outside ErrorDialects: it counts the statuses clients get
     app.add_middleware(RequestContextMiddleware)
     return app

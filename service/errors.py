@@ -3,10 +3,13 @@
 `type` is the class of problem (OpenAI's vocabulary, so SDKs map it to their exceptions), `code` is
 the precise machine-readable reason, `param` names the offending field (dotted path) when there is
 one. Validation errors are 422 and name the field; nothing ever answers with a traceback.
+service/error_dialects.py then answers each API family in its own clients' dialect (TGI's shape on
+the native routes, 400 for invalid requests on /v1).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -181,10 +184,21 @@ def install_error_handlers(app: FastAPI) -> None:
         request_id = getattr(request.state, "request_id", "-")
         log.error("unhandled error in request %s %s (id %s)", request.method, request.url.path, request_id,
                   exc_info=exc)
-        return error_response(
+        response = error_response(
             500, f"internal server error (request id {request_id})", code="internal_error",
             headers=_with_request_id(request, None),
         )
+        # This handler runs outside every middleware (Starlette's ServerErrorMiddleware), so the
+        # API family's dialect is applied here. (Imported here: error_dialects builds on this module.)
+        from service.error_dialects import family, rewrite
+
+        fam = family(request.method, request.url.path)
+        path = request.url.path
+        dialect = rewrite(fam, request.method, path, 500, bytes(response.body), "application/json")
+        if dialect is not None:
+            response = JSONResponse(json.loads(dialect[1]), status_code=dialect[0],
+                                    headers=_with_request_id(request, None))
+        return response
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)

@@ -17,7 +17,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.requests import Request
@@ -28,7 +28,7 @@ from service.encoding import encode, prompt_too_long
 from service.engine.types import FinishReason, InvalidRequest, SamplingParams, TokenEvent
 from service.errors import APIError
 from service.settings import Settings
-from service.sse import EventStreamResponse, Render, event_stream
+from service.sse import ErrorEvent, EventStreamResponse, Render, event_stream, sse_error
 
 if TYPE_CHECKING:
     from service.engine.engine import Engine, GenerationStream
@@ -118,7 +118,8 @@ async def start_generation(
             stream_interval=request.app.state.settings.stream_interval, client=client,
         )
     except InvalidRequest as exc:
-        exc.param = exc.param or param
+        if exc.param in (None, "inputs"):  # the engine's name for the prompt: the route's field
+            exc.param = param
         raise
     record.started(stream.prompt_tokens, stream.cropped_tokens)
     arrival: float = request.state.arrival
@@ -135,11 +136,13 @@ def sse_response(
     *,
     trailer: Iterable[bytes] = (),
     headers: Mapping[str, str] | None = None,
+    error_event: ErrorEvent = sse_error,
 ) -> EventStreamResponse:
     """Stream `gen` as server-sent events; events already waiting go out together, and under the
     server's own protocol those in the middle are written as they arrive (`sse.DirectEvents`)."""
     return event_stream(gen.events, render, keepalive_s=settings.keepalive_interval, on_close=gen.aclose,
-                        trailer=trailer, headers=headers, ready=gen.stream.ready, direct=gen)
+                        trailer=trailer, headers=headers, ready=gen.stream.ready, direct=gen,
+                        error_event=error_event)
 
 
 async def _recorded(events: AsyncIterator[TokenEvent], request: Request) -> AsyncIterator[TokenEvent]:
@@ -175,30 +178,44 @@ async def _drain(gen: Generation, out: Completed) -> None:
 
 async def collect(request: Request, gen: Generation) -> Completed:
     """Run a generation to its end; a client disconnect cancels it and frees the slot."""
-    out = Completed()
-    consume = asyncio.ensure_future(_drain(gen, out))
-    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    return (await collect_all(request, [gen]))[0]
+
+
+async def collect_all(request: Request, gens: Sequence[Generation]) -> list[Completed]:
+    """Run generations to their ends, side by side (several prompts of one request); a client
+    disconnect cancels them all and frees their slots."""
+    outs = [Completed() for _ in gens]
+    consumers = [asyncio.ensure_future(_drain(gen, out)) for gen, out in zip(gens, outs, strict=True)]
+    everything: asyncio.Future[Any] = asyncio.gather(*consumers, return_exceptions=True)
+    watch: asyncio.Future[Any] = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        await asyncio.wait({consume, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({everything, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not consume.done():
-            consume.cancel()
-        # Let the consumer finish unwinding first: closing a generator that is still running in
+        for consume in consumers:
+            if not consume.done():
+                consume.cancel()
+        # Let the consumers finish unwinding first: closing a generator that is still running in
         # another task raises. Shielded, as cancellation of this handler must not skip the close.
         with anyio.CancelScope(shield=True):
-            await asyncio.wait({consume})
-            await gen.aclose()
-    if consume.cancelled() or not consume.done():
+            await asyncio.wait(consumers)
+            for gen in gens:
+                await gen.aclose()
+    if any(c.cancelled() for c in consumers):
         record_of(request).finish_reason = FinishReason.CANCELLED.value
         raise APIError(499, "client disconnected", code="client_disconnected")
-    consume.result()  # re-raise an unexpected failure (answered as a clean 500)
+    for consume, out in zip(consumers, outs, strict=True):
+        consume.result()  # re-raise an unexpected failure (answered as a clean 500)
+        _check_finished(out)
+    return outs
+
+
+def _check_finished(out: Completed) -> None:
     if not out.events or out.final.finish_reason is None:
-        raise APIError(500, "the generation ended without a finish reason", code="internal_error")
+        raise APIError(500, "the generation ended without a finish reason", code="incomplete_generation")
     if out.final.finish_reason is FinishReason.ERROR:
         reason = out.final.error or "engine error"
         raise APIError(500, f"generation failed: {reason}", code="generation_error")
-    return out
 
 
 def elapsed_since_arrival(request: Request) -> float:

@@ -75,6 +75,8 @@ def sse_error(message: str, code: str, status: int = 500) -> bytes:
 
 
 Render = Callable[[TokenEvent], Iterable[bytes]]
+# (message, code) -> the event that ends a failed stream, in the route's API dialect.
+ErrorEvent = Callable[[str, str], bytes]
 
 
 class DirectSource(Protocol):
@@ -251,6 +253,7 @@ async def _encode(
     render: Render,
     trailer: Iterable[bytes],
     ready: Callable[[], int] | None,
+    error_event: ErrorEvent = sse_error,
 ) -> AsyncIterator[bytes]:
     # Events that are already waiting go out in one body chunk: one send through the ASGI stack
     # and one socket write (and one read at the client) for all of them, instead of one each.
@@ -261,7 +264,7 @@ async def _encode(
     try:
         async for event in events:
             if event.finish_reason is FinishReason.ERROR:
-                out.append(sse_error(event.error or "generation failed", code="generation_error"))
+                out.append(error_event(event.error or "generation failed", "generation_error"))
                 yield b"".join(out)
                 return
             out.extend(render(event))
@@ -273,11 +276,11 @@ async def _encode(
                 out = []
     except Exception as exc:  # the stream already said 200: report in-band, never a traceback
         log.exception("stream failed after the response started")
-        out.append(sse_error(f"internal error while streaming: {type(exc).__name__}", code="internal_error"))
+        out.append(error_event(f"internal error while streaming: {type(exc).__name__}", "internal_error"))
         yield b"".join(out)
         return
     if not finished:
-        out.append(sse_error("the generation ended without a finish reason", code="internal_error"))
+        out.append(error_event("the generation ended without a finish reason", "incomplete_generation"))
     else:
         out.extend(trailer)
     if out:
@@ -294,15 +297,17 @@ def event_stream(
     headers: Mapping[str, str] | None = None,
     ready: Callable[[], int] | None = None,
     direct: DirectSource | None = None,
+    error_event: ErrorEvent = sse_error,
 ) -> EventStreamResponse:
     """Stream `events` as SSE: `render` turns each event into zero or more encoded SSE events.
 
     `trailer` is sent after the final event of a successful generation (OpenAI's `data: [DONE]`).
-    An engine error event becomes `event: error` with code `generation_error` and ends the stream.
+    An engine error event becomes `error_event(message, "generation_error")` (by default
+    `event: error` with the shared shape) and ends the stream.
     `ready` (how many events are already waiting) lets those be sent in one body chunk.
     `direct`: the generation, whose events in the middle may skip the body (`DirectSource`);
     `render` serves both paths.
     """
-    body = _encode(events, render, trailer, ready)
+    body = _encode(events, render, trailer, ready, error_event)
     how = DirectEvents(direct, render) if direct is not None else None
     return EventStreamResponse(body, on_close=on_close, headers=headers, keepalive_s=keepalive_s, direct=how)

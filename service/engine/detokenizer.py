@@ -66,21 +66,32 @@ class IncrementalDecoder:
 
 
 class StopMatcher:
-    """Holds back text that may begin a stop string; reports when one completes."""
+    """Finds stop strings in the text as it grows; reports when one completes.
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    By default (OpenAI's rule) it holds back text that may begin a stop string, and a stop string
+    is never emitted. With `keep` (TGI's rule) every token's text is emitted as it comes, the stop
+    string included, and only a tail as long as the longest stop is remembered to find one that
+    spans tokens.
+    """
+
+    def __init__(self, stops: tuple[str, ...], keep: bool = False) -> None:
         self.stops = tuple(s for s in stops if s)
-        self.held = ""
+        self.keep = keep
+        self.held = ""  # held-back text (default) or the remembered tail (keep)
+        self.tail_len = max((len(s) for s in self.stops), default=1) - 1
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string completed).
 
         On a stop the emitted text ends right before the earliest stop string; the stop string
-        itself and anything after it are dropped.
+        itself and anything after it are dropped (with `keep`: the text is emitted whole).
         """
         if not self.stops:
             return text, False
         buf = self.held + text
+        if self.keep:
+            self.held = buf[len(buf) - self.tail_len :] if self.tail_len else ""
+            return text, any(s in buf for s in self.stops)
         cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
             self.held = ""
@@ -100,4 +111,4 @@ class StopMatcher:
 
     def flush(self) -> str:
         held, self.held = self.held, ""
-        return held
+        return "" if self.keep else held

@@ -42,7 +42,7 @@ class Request:
     def __post_init__(self) -> None:
         self.ctx = list(self.prompt_ids)
         self.decoder = IncrementalDecoder(self.tokenizer)
-        self.stopper = StopMatcher(self.params.stop)
+        self.stopper = StopMatcher(self.params.stop, keep=self.params.keep_stop)
         self.deadline = (
             self.submitted + self.params.deadline_s if self.params.deadline_s is not None else None
         )

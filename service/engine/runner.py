@@ -146,6 +146,7 @@ class ModelRunner:
         (a NaN, a +inf, or nothing above -inf) are flagged."""
         if self.usable_vocab < self.vocab:
             logits[:, self.usable_vocab :] = float("-inf")
+        self._add_logit_bias(reqs, logits)
         # One pass gives both the check and the greedy pick: max propagates NaN, a +inf max breaks
         # the softmax, an all -inf row has nothing to pick; -inf entries elsewhere are ordinary
         # (probability zero). isfinite().all() + where + argmax took 3.6x as long at 50k logits.
@@ -170,3 +171,12 @@ class ModelRunner:
             top_logprobs=top_v.tolist() if top_v is not None else None,
             top_ids=top_i.tolist() if top_i is not None else None,
         )
+
+    def _add_logit_bias(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """OpenAI's logit_bias, added in place to the raw logits of the rows that carry one: every
+        later step (the greedy pick, penalties, filters, either backend's draw, logprobs) sees it,
+        so the native and the torch sampler apply it alike."""
+        for j, req in enumerate(reqs):
+            if req.params.logit_bias:
+                ids, values = zip(*req.params.logit_bias, strict=True)
+                logits[j, list(ids)] += torch.tensor(values, dtype=logits.dtype, device=logits.device)

@@ -33,12 +33,16 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # additive, OpenAI style
     presence_penalty: float = 0.0  # additive, OpenAI style
     stop: tuple[str, ...] = ()
+    keep_stop: bool = False  # the text keeps a matched stop string (TGI) instead of ending before it
     stop_on_eos: bool = True
     seed: int | None = None  # None: the engine picks one and reports it
     logprobs: bool = False  # logprob of each chosen token
     top_n_tokens: int = 0  # this many top alternatives per step, with logprobs
     deadline_s: float | None = None  # optional wall-clock budget from submission
     truncate: int | None = None  # keep only the last `truncate` prompt tokens (TGI)
+    # (token id, bias) pairs added to the logits before any processing or sampling (OpenAI's
+    # logit_bias): -100 all but bans a token, +100 all but forces it.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

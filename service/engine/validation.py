@@ -10,6 +10,7 @@ from service.engine.types import InvalidRequest, PromptTooLong, SamplingParams
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 256
 MAX_TOP_N_TOKENS = 20
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 MAX_SEED = 2**63 - 1
 # Counts and lengths pass through C ints and int64 tensors: anything above this is refused rather
 # than left to overflow in the middle of a batch's step.
@@ -88,6 +89,18 @@ def validate_params(p: SamplingParams, vocab_size: int) -> None:
     if p.deadline_s is not None:
         _in_range("deadline_s", p.deadline_s, 0.0, 86400.0, lo_open=True)
     _positive_int("truncate", p.truncate)
+    _check_logit_bias(p.logit_bias, vocab_size)
+
+
+def _check_logit_bias(bias: tuple[tuple[int, float], ...], vocab_size: int) -> None:
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}",
+                             param="logit_bias")
+    for token, value in bias:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise InvalidRequest(f"logit_bias: token id {token!r} is not in this model's vocabulary "
+                                 f"[0, {vocab_size})", param="logit_bias")
+        _in_range("logit_bias", value, -100.0, 100.0)
 
 
 def validate_ids(ids: list[int], vocab_size: int) -> None:

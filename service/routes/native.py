@@ -16,8 +16,9 @@ from service.api_docs import sse_response_doc
 from service.deps import EngineDep, SettingsDep, server_version
 from service.encoding import check_prompt_chars, encode_off_loop, prompt_too_long
 from service.engine.types import SamplingParams, TokenEvent, TopToken
+from service.error_dialects import tgi_error_body
 from service.generation import Completed, check_limits, collect, sse_response, start_generation
-from service.schemas.common import GENERATION_ERRORS, error_responses
+from service.schemas.common import error_responses
 from service.schemas.native import (
     Details,
     GenerateParameters,
@@ -27,13 +28,18 @@ from service.schemas.native import (
     SimpleToken,
     StreamDetails,
     StreamResponse,
+    TGIErrorResponse,
     Token,
     TokenizeRequest,
 )
+from service.schemas.openai import MAX_PROMPTS
 from service.settings import Settings
 from service.sse import sse_event
 
 router = APIRouter(tags=["native (TGI)"])
+
+# Errors on these routes are in TGI's shape (service/error_dialects.py).
+GENERATION_ERRORS = error_responses(401, 413, 415, 422, 424, 429, 500, 503, model=TGIErrorResponse)
 
 _STREAM_DOC = sse_response_doc("One event per token; the last carries generated_text and details.",
                                StreamResponse)
@@ -43,6 +49,18 @@ _JSON_OR_SSE: dict[int | str, dict[str, Any]] = {
         "description": "A GenerateResponse, or with `stream: true` StreamResponse events.",
         "content": {
             "application/json": {"schema": {"$ref": "#/components/schemas/GenerateResponse"}},
+            **_STREAM_DOC[200]["content"],
+        },
+    }
+}
+# POST /: TGI answers a one-element list there.
+_LIST_OR_SSE: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "A one-element list of GenerateResponse, or with `stream: true` StreamResponse "
+        "events.",
+        "content": {
+            "application/json": {"schema": {"type": "array", "minItems": 1, "maxItems": 1,
+                                            "items": {"$ref": "#/components/schemas/GenerateResponse"}}},
             **_STREAM_DOC[200]["content"],
         },
     }
@@ -70,6 +88,7 @@ def sampling_params(p: GenerateParameters, settings: Settings) -> SamplingParams
         frequency_penalty=p.frequency_penalty or 0.0,
         presence_penalty=p.presence_penalty or 0.0,
         stop=tuple(p.stop or ()),
+        keep_stop=True,  # TGI's generated_text ends with the stop sequence
         seed=p.seed,
         logprobs=True,  # TGI reports every token's logprob
         top_n_tokens=p.top_n_tokens or 0,
@@ -151,10 +170,16 @@ async def _generate_sse(request: Request, engine: EngineDep, body: GenerateReque
             )
         yield sse_event(out)
 
-    return sse_response(gen, render, settings)
+    return sse_response(gen, render, settings, error_event=tgi_sse_error)
 
 
-@router.post("/generate", response_model=GenerateResponse, responses={**GENERATION_ERRORS, **_JSON_OR_SSE})
+def tgi_sse_error(message: str, code: str) -> bytes:
+    """The event that ends a failed stream, as TGI sends it: `data: {"error", "error_type"}`."""
+    return sse_event(tgi_error_body(500, message, code)[1])
+
+
+@router.post("/generate", response_model=GenerateResponse,
+             responses={**GENERATION_ERRORS, **_JSON_OR_SSE})
 async def generate(request: Request, engine: EngineDep, body: GenerateRequest) -> Response | GenerateResponse:
     """Generate text for a prompt (TGI's /generate); `stream: true` answers with SSE instead."""
     if body.stream:
@@ -172,28 +197,36 @@ async def generate_stream(request: Request, engine: EngineDep, body: GenerateReq
     return await _generate_sse(request, engine, body)
 
 
-@router.post("/", response_model=GenerateResponse, responses={**GENERATION_ERRORS, **_JSON_OR_SSE})
+@router.post("/", response_model=list[GenerateResponse],
+             responses={**GENERATION_ERRORS, **_LIST_OR_SSE})
 async def compat_generate(
     request: Request, engine: EngineDep, body: GenerateRequest
-) -> Response | GenerateResponse:
-    """TGI's compatibility route (clients pointed at the base URL): /generate, or SSE if `stream`."""
-    return await generate(request, engine, body)
+) -> Response | list[GenerateResponse]:
+    """TGI's compatibility route (clients pointed at the base URL): a one-element list of
+    /generate's answer, as TGI sends it; SSE if `stream`."""
+    if body.stream:
+        return await _generate_sse(request, engine, body)
+    return [await _generate_json(request, engine, body)]
 
 
-@router.post(
-    "/tokenize", response_model=list[SimpleToken], responses=error_responses(401, 413, 415, 422, 429, 503)
-)
+@router.post("/tokenize", response_model=list[SimpleToken],
+             responses=error_responses(401, 413, 415, 422, 429, 503, model=TGIErrorResponse))
 async def tokenize(request: Request, engine: EngineDep, settings: SettingsDep,
                    body: TokenizeRequest) -> Response:
-    """Split text into the model's tokens, with each token's character offsets in the input."""
+    """Split text into the model's tokens, with each token's character offsets in the input;
+    `parameters.truncate` keeps the last N tokens (those the model would read)."""
     text, limit = body.inputs, settings.max_prompt_tokens
+    truncate = body.parameters.truncate
     check_prompt_chars(engine, text, limit, "inputs")
 
     def spans() -> bytes:
         ids = engine.encode(text)
         if len(ids) > limit:
             raise prompt_too_long(len(ids), limit, "inputs")
-        return json.dumps(token_spans(engine.tokenizer, text, ids), ensure_ascii=False).encode()
+        out = token_spans(engine.tokenizer, text, ids)
+        if truncate is not None:
+            out = out[max(0, len(out) - truncate):]
+        return json.dumps(out, ensure_ascii=False).encode()
 
     # Encoding, spans and JSON all off the event loop for a long text, bounded like any prompt's
     # encoding (service/encoding.py); plain dicts, not a pydantic model a token.
@@ -218,10 +251,12 @@ def token_spans(tokenizer: Tokenizer, text: str, ids: list[int]) -> list[dict[st
     return out
 
 
-@router.get("/info", response_model=Info, responses=error_responses(401, 503))
+@router.get("/info", response_model=Info, responses=error_responses(401, 503, model=TGIErrorResponse))
 async def info(engine: EngineDep, settings: SettingsDep) -> Info:
     """The served model, its checkpoint's provenance, the server's limits and version."""
     report = engine.info()
+    window = engine.window
+    max_input = max(1, min(settings.max_prompt_tokens, window - 1))  # TGI: input < total
     return Info(
         model_id=str(report.get("model", engine.checkpoint.name)),
         model_dtype=str(report.get("dtype", settings.dtype)),
@@ -229,9 +264,12 @@ async def info(engine: EngineDep, settings: SettingsDep) -> Info:
         max_concurrent_requests=settings.max_seqs,
         max_waiting_requests=settings.max_queue,
         max_stop_sequences=settings.max_stop_sequences,
-        max_input_tokens=settings.max_prompt_tokens,
+        max_input_tokens=max_input,
+        max_total_tokens=min(window, settings.max_prompt_tokens + settings.max_new_tokens),
+        validation_workers=1,  # prompts are encoded on one thread beside the loop (service/encoding.py)
+        max_client_batch_size=MAX_PROMPTS,  # prompts in one /v1/completions request
+        max_prompt_tokens=settings.max_prompt_tokens,
         max_new_tokens=settings.max_new_tokens,
-        max_total_tokens=settings.max_prompt_tokens + settings.max_new_tokens,
         max_top_n_tokens=settings.max_top_n_tokens,
         max_body_bytes=settings.max_body_bytes,
         window=engine.window,

@@ -2,8 +2,9 @@
 
 Thin by design: validate the request (service/schemas/openai.py), turn it into `SamplingParams`,
 call `Engine.generate`, and translate its token events (service/routes/openai_format.py).
-Everything that can be refused is refused before the 200: schema errors (422 naming the field),
-server limits, an unknown model (404), a prompt the tokenizer cannot represent, a full queue (429).
+Everything that can be refused is refused before the 200: schema errors (400 naming the field, in
+OpenAI's dialect: service/error_dialects.py), server limits, a prompt the tokenizer cannot
+represent, a full queue (429). The `model` field is not matched (`_served_model`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ from service.deps import EngineDep, SettingsDep
 from service.encoding import encode
 from service.engine.types import SamplingParams
 from service.errors import APIError
-from service.generation import Generation, check_limits, collect, sse_response, start_generation
+from service.generation import (
+    Generation,
+    check_limits,
+    collect,
+    collect_all,
+    sse_response,
+    start_generation,
+)
+from service.merged_stream import MergedStream, merged_sse_response
 from service.routes.openai_format import (
     DONE,
     ChatChunks,
@@ -56,15 +65,18 @@ _SSE_DOC: dict[int | str, dict[str, Any]] = {
         "description": "JSON, or with `stream: true` server-sent events: one chunk per text delta, "
         "then `data: [DONE]`.",
     },
-    404: {"description": "`model` is not the served model.", "model": ErrorResponse},
 }
 
 
-def _served_model(engine: Any, requested: str | None) -> str:
+# OpenAI's default for completions; chat's is the server's default_max_new_tokens.
+COMPLETIONS_MAX_TOKENS = 16
+
+
+def _served_model(engine: Any) -> str:
+    """The model that answers. A request's `model` does not choose it: one model is served, and
+    clients send placeholders (huggingface_hub "dummy" or "tgi", LangChain a configured name), so
+    the field is ignored as TGI and llama.cpp's server ignore it; responses name the served model."""
     served: str = engine.checkpoint.name
-    if requested is not None and requested != served:
-        raise APIError(404, f"model {requested!r} does not exist; this server serves {served!r}",
-                       code="model_not_found", param="model")
     return served
 
 
@@ -91,6 +103,7 @@ def _sampling_params(body: GenerationRequest, settings: Settings, *, max_tokens:
         seed=body.seed,
         logprobs=logprobs,
         top_n_tokens=top_n,
+        logit_bias=body.bias_pairs(),
     )
 
 
@@ -133,7 +146,10 @@ async def list_models(engine: EngineDep) -> ModelList:
             responses={404: {"description": "Not the served model.", "model": ErrorResponse}})
 async def get_model(model_id: str, engine: EngineDep) -> ModelCard:
     """One model by id (404 unless it is the served one)."""
-    _served_model(engine, model_id)
+    served = _served_model(engine)
+    if model_id != served:
+        raise APIError(404, f"model {model_id!r} does not exist; this server serves {served!r}",
+                       code="model_not_found", param="model")
     return _model_card(engine)
 
 
@@ -146,29 +162,55 @@ def _model_card(engine: Any) -> ModelCard:
 @router.post("/completions", response_model=CompletionResponse, responses=_SSE_DOC)
 async def completions(body: CompletionRequest, request: Request, engine: EngineDep,
                       settings: SettingsDep) -> Response | CompletionResponse:
-    """Text completion of one prompt (OpenAI's legacy completions API)."""
-    model = _served_model(engine, body.model)
+    """Text completion of a prompt, or of several (one choice each; OpenAI's legacy completions API)."""
+    model = _served_model(engine)
     top_n = body.logprobs or 0
-    params = _sampling_params(body, settings, max_tokens=body.max_tokens, extra_stop=[],
+    max_tokens = body.max_tokens if body.max_tokens is not None else min(COMPLETIONS_MAX_TOKENS,
+                                                                          settings.max_new_tokens)
+    params = _sampling_params(body, settings, max_tokens=max_tokens, extra_stop=[],
                               logprobs=body.logprobs is not None, top_n=top_n)
-    prompt = body.prompt_input()
+    prompts = body.prompt_inputs()
     vocab = engine.tokenizer.vocab_size
-    if isinstance(prompt, list) and (bad := next((t for t in prompt if t >= vocab), None)) is not None:
-        raise APIError(422, f"prompt: token id {bad} is not in this model's vocabulary [0, {vocab})",
-                       code="invalid_token_id", param="prompt")
-    gen = await start_generation(request, engine, prompt, params, param="prompt")
+    for prompt in prompts:
+        if isinstance(prompt, list) and (bad := next((t for t in prompt if t >= vocab), None)) is not None:
+            raise APIError(422, f"prompt: token id {bad} is not in this model's vocabulary [0, {vocab})",
+                           code="invalid_token_id", param="prompt")
     reply = Reply.new("cmpl", model, engine.tokenizer)
-    if body.stream:
+    if body.stream and len(prompts) == 1:
+        gen = await start_generation(request, engine, prompts[0], params, param="prompt")
         render = CompletionChunks(reply, body.logprobs, body.include_usage())
         return _sse(gen, render, settings)
-    done = await collect(request, gen)
-    logprobs = None
-    if body.logprobs is not None:
-        builder = CompletionLogprobsBuilder(reply, top_n)
-        for event in done.tokens:
-            builder.add(event)
-        logprobs = builder.take()
-    return completion_response(reply, done.text, done.final, logprobs)
+    gens = await _start_all(request, engine, prompts, params)
+    if body.stream:  # one stream, each prompt's chunks under its choice's index
+        renders = [CompletionChunks(reply, body.logprobs, False, index=i) for i in range(len(gens))]
+        totals = CompletionChunks(reply, None, body.include_usage())
+        merged = MergedStream(gens, renders, totals.usage_chunk)
+        return merged_sse_response(merged, settings, trailer=[DONE])
+    results = []
+    for done in await collect_all(request, gens):
+        logprobs = None
+        if body.logprobs is not None:
+            builder = CompletionLogprobsBuilder(reply, top_n)
+            for event in done.tokens:
+                builder.add(event)
+            logprobs = builder.take()
+        results.append((done.text, done.final, logprobs))
+    return completion_response(reply, results)
+
+
+async def _start_all(request: Request, engine: Any, prompts: list[str | list[int]],
+                     params: SamplingParams) -> list[Generation]:
+    """One generation per prompt; if one is refused (a full queue, say), those already started
+    are cancelled and the whole request gets that refusal."""
+    gens: list[Generation] = []
+    try:
+        for prompt in prompts:
+            gens.append(await start_generation(request, engine, prompt, params, param="prompt"))
+    except BaseException:
+        for gen in gens:
+            await gen.aclose()
+        raise
+    return gens
 
 
 @router.post("/chat/completions", response_model=ChatCompletionResponse, responses=_SSE_DOC)
@@ -177,7 +219,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
     """The assistant's next message, with the checkpoint's chat template applied. A conversation
     longer than the window loses its oldest turns, never its system messages or its last message
     (the count is in the X-Nanoserve-Dropped-Messages header)."""
-    model = _served_model(engine, body.model)
+    model = _served_model(engine)
     template = engine.checkpoint.chat_template
     messages = [m.for_template() for m in body.messages]
     try:

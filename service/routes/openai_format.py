@@ -84,8 +84,7 @@ class CompletionLogprobsBuilder:
     def __init__(self, reply: Reply, top_n: int) -> None:
         self.reply = reply
         self.top_n = top_n
-        self.value = CompletionLogprobs(tokens=[], token_logprobs=[],
-                                        top_logprobs=[] if top_n else None, text_offset=[])
+        self.value = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         self.offset = 0
 
     def add(self, event: TokenEvent) -> None:
@@ -96,27 +95,42 @@ class CompletionLogprobsBuilder:
         v.tokens.append(token)
         v.token_logprobs.append(event.logprob)
         if v.top_logprobs is not None:
-            v.top_logprobs.append({t.text: t.logprob for t in event.top_tokens[: self.top_n]})
+            tops = {t.text: t.logprob for t in event.top_tokens[: self.top_n]}
+            if event.logprob is not None:  # OpenAI: the chosen token is always among them (up to N + 1)
+                tops.setdefault(token, event.logprob)
+            v.top_logprobs.append(tops)
         v.text_offset.append(self.offset)
         self.offset += len(token)
 
     def take(self) -> CompletionLogprobs:
         """What accumulated since the last call (the whole object for a non-streamed reply)."""
         out = self.value
-        self.value = CompletionLogprobs(tokens=[], token_logprobs=[],
-                                        top_logprobs=[] if self.top_n else None, text_offset=[])
+        self.value = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         return out
 
 
 # ------------------------------------------------------------------ whole responses
 
 
-def completion_response(reply: Reply, text: str, last: TokenEvent,
-                        logprobs: CompletionLogprobs | None) -> CompletionResponse:
-    assert last.finish_reason is not None
-    choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason(last.finish_reason))
-    return CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=[choice],
-                              usage=usage_of(last))
+def completion_response(
+    reply: Reply, results: list[tuple[str, TokenEvent, CompletionLogprobs | None]]
+) -> CompletionResponse:
+    """One choice per prompt's (text, last event, logprobs), `index` in the order given; usage
+    summed over them."""
+    choices, usages = [], []
+    for i, (text, last, logprobs) in enumerate(results):
+        assert last.finish_reason is not None
+        choices.append(CompletionChoice(index=i, text=text, logprobs=logprobs,
+                                        finish_reason=finish_reason(last.finish_reason)))
+        usages.append(usage_of(last))
+    return CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=choices,
+                              usage=summed_usage(usages))
+
+
+def summed_usage(usages: list[Usage]) -> Usage:
+    return Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
+                 completion_tokens=sum(u.completion_tokens for u in usages),
+                 total_tokens=sum(u.total_tokens for u in usages))
 
 
 def chat_response(reply: Reply, text: str, last: TokenEvent,
@@ -159,10 +173,12 @@ class _Chunks:
 class CompletionChunks(_Chunks):
     """/v1/completions: a chunk per text delta (and per token when logprobs are asked for)."""
 
-    def __init__(self, reply: Reply, top_n: int | None, include_usage: bool) -> None:
+    def __init__(self, reply: Reply, top_n: int | None, include_usage: bool, index: int = 0) -> None:
         super().__init__(reply, include_usage)
+        self.index = index  # the prompt's choice, when a request has several
         self.logprobs = CompletionLogprobsBuilder(reply, top_n) if top_n is not None else None
-        self.text_chunk = EventTemplate(lambda text: self._envelope([CompletionChoice(text=text)]))
+        self.text_chunk = EventTemplate(
+            lambda text: self._envelope([CompletionChoice(index=index, text=text)]))
 
     def _envelope(self, choices: list[Any], usage: Usage | None = None) -> bytes:
         r = self.reply
@@ -170,7 +186,12 @@ class CompletionChunks(_Chunks):
                                             usage=usage))
 
     def _finish_choice(self, reason: FinishName) -> CompletionChoice:
-        return CompletionChoice(text="", finish_reason=reason)
+        return CompletionChoice(index=self.index, text="", finish_reason=reason)
+
+    def usage_chunk(self, finals: list[TokenEvent]) -> Iterator[bytes]:
+        """The usage chunk of several prompts' streams, summed (when asked for)."""
+        if self.include_usage:
+            yield self._envelope([], summed_usage([usage_of(e) for e in finals]))
 
     def _content(self, event: TokenEvent) -> Iterator[bytes]:
         logprobs = None
@@ -178,7 +199,7 @@ class CompletionChunks(_Chunks):
             self.logprobs.add(event)
             logprobs = self.logprobs.take()
         if logprobs is not None:
-            yield self._envelope([CompletionChoice(text=event.text, logprobs=logprobs)])
+            yield self._envelope([CompletionChoice(index=self.index, text=event.text, logprobs=logprobs)])
         elif event.text:
             yield self.text_chunk(event.text)
 

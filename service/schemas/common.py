@@ -33,19 +33,18 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI documentation of the error statuses a route can answer with."""
+def error_responses(
+    *statuses: int, model: type[BaseModel] = ErrorResponse
+) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI documentation of the error statuses a route can answer with (in `model`'s shape)."""
     descriptions = {
         401: "Missing or invalid API key.",
         413: "Request body too large.",
         415: "Body is not JSON.",
         422: "Invalid request (the message names the field).",
+        424: "Generation failed inside the engine (TGI's status for it).",
         429: "Overloaded: retry after `Retry-After` seconds.",
         500: "Generation failed inside the engine.",
         503: "Not ready, or shutting down.",
     }
-    return {s: {"model": ErrorResponse, "description": descriptions[s]} for s in statuses}
-
-
-# What every generation route can answer besides 200.
-GENERATION_ERRORS = error_responses(401, 413, 415, 422, 429, 500, 503)
+    return {s: {"model": model, "description": descriptions[s]} for s in statuses}

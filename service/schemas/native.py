@@ -32,8 +32,9 @@ class GenerateParameters(BaseModel):
     )
     do_sample: bool | None = Field(
         default=None,
-        description="true: sample; false: greedy (sampling parameters are then ignored); null: sample "
-        "when any of temperature/top_k/top_p/typical_p/min_p is set, else greedy (TGI's rule).",
+        description="Sample (else greedy). TGI's rule: a request also samples when a sampling "
+        "parameter changes the distribution (temperature other than 1, top_k, top_p or typical_p "
+        "below 1, min_p above 0), whatever do_sample says; temperature 0 is greedy.",
     )
     temperature: float | None = Field(default=None, ge=0.0, le=100.0, description="0 means greedy.")
     top_k: int | None = Field(default=None, ge=1, le=MAX_COUNT)
@@ -48,7 +49,8 @@ class GenerateParameters(BaseModel):
         default=None, ge=-2.0, le=2.0, description="Extension (OpenAI style)."
     )
     stop: list[str] | None = Field(
-        default=None, description="Stop strings; generation ends before the first match."
+        default=None, description="Stop strings; generation ends with the first match, which "
+        "`generated_text` keeps (as TGI's does)."
     )
     seed: Seed | None = Field(default=None, description="Same seed + same request = same tokens.")
     details: bool = Field(
@@ -106,11 +108,18 @@ class GenerateParameters(BaseModel):
         return value
 
     def sampling(self) -> bool:
-        """Whether to sample (else greedy), by TGI's rule plus an explicit do_sample=false."""
-        if self.do_sample is not None:
-            return self.do_sample
-        warpers = (self.temperature, self.top_k, self.top_p, self.typical_p, self.min_p)
-        return any(w is not None for w in warpers)
+        """Whether to sample (else greedy): TGI's rule (server/.../utils/tokens.py NextTokenChooser:
+        `do_sample or has_warpers`), plus temperature 0 meaning greedy."""
+        if self.temperature == 0.0:
+            return False
+        warpers = (
+            (self.temperature is not None and self.temperature != 1.0)
+            or self.top_k is not None
+            or (self.top_p is not None and self.top_p < 1.0)
+            or (self.typical_p is not None and self.typical_p < 1.0)
+            or (self.min_p is not None and self.min_p > 0.0)
+        )
+        return bool(self.do_sample) or warpers
 
 
 class GenerateRequest(BaseModel):
@@ -169,12 +178,24 @@ class StreamResponse(BaseModel):
 
 
 class TokenizeRequest(BaseModel):
+    """POST /tokenize: TGI's generate request; of its parameters only `truncate` applies."""
+
     model_config = STRICT
 
     inputs: str = Field(description="Text to tokenize.")
-    parameters: dict[str, Any] | None = Field(
-        default=None, description="Accepted for TGI compatibility; ignored."
+    parameters: GenerateParameters = Field(
+        default_factory=GenerateParameters,
+        description="As for /generate; `truncate` keeps the last N tokens, the rest is validated only.",
     )
+    stream: bool = Field(default=False, description="Accepted and ignored (TGI's request shape).")
+
+
+class TGIErrorResponse(BaseModel):
+    """Every error on the TGI routes has this body (TGI's ErrorResponse)."""
+
+    error: str = Field(description="What went wrong, naming the offending field or limit.")
+    error_type: str = Field(description="validation, overloaded, generation, incomplete_generation, or "
+                            "the reason's code (e.g. not_ready).")
 
 
 class SimpleToken(BaseModel):
@@ -188,19 +209,28 @@ class Info(BaseModel):
     """GET /info: TGI's fields, plus the model, checkpoint provenance and limits."""
 
     model_id: str
+    model_sha: str | None = Field(default=None, description="A hub revision; null (checkpoints record none).")
     model_dtype: str
     model_device_type: str
-    model_pipeline_tag: str = "text-generation"
+    model_pipeline_tag: str | None = "text-generation"
     max_concurrent_requests: int
     max_waiting_requests: int
     max_best_of: int = 1
     max_stop_sequences: int
-    max_input_tokens: int
+    max_input_tokens: int = Field(description="The most prompt tokens the model reads: min(the "
+                                  "prompt cap, window - 1); a longer prompt is cropped or refused.")
+    max_total_tokens: int = Field(description="Prompt plus generated tokens the model attends to at "
+                                  "once: its window (longer generations shift the context).")
+    validation_workers: int = Field(description="Threads that tokenize prompts beside the event loop.")
+    max_client_batch_size: int = Field(description="Prompts in one /v1/completions request.")
+    router: str = "nanoserve"
+    version: str
+    sha: str | None = None
+    docker_label: str | None = None
+    # Extensions over TGI.
+    max_prompt_tokens: int = Field(description="Longest prompt accepted (in tokens) before cropping.")
     max_new_tokens: int
-    max_total_tokens: int
     max_top_n_tokens: int
     max_body_bytes: int
     window: int
-    router: str = "nanoserve"
-    version: str
     engine: dict[str, Any] = Field(description="The engine's own report: model config, checkpoint, limits.")

@@ -19,10 +19,14 @@ from pydantic import (
     ValidationInfo,
     field_validator,
     model_serializer,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from service.schemas.common import MAX_COUNT
+
+MAX_PROMPTS = 16  # prompts in one completions request (each is a request of the engine's)
+PromptField = str | list[str] | list[int] | list[list[int]]
 
 # Strict: no str -> number or bool -> number coercion; NaN/inf refused on every float.
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -43,13 +47,37 @@ class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="Send a last chunk with `usage` before `[DONE]`.")
 
 
-class GenerationRequest(BaseModel):
-    """Fields shared by completions and chat completions."""
+def _null_is_default(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """OpenAPI: the fields `_nulls_to_defaults` accepts null for say so."""
+    for name in _defaulted(model):
+        prop = schema.get("properties", {}).get(name)
+        if prop is not None and "anyOf" not in prop:
+            default = prop.pop("default", None)
+            schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], "default": default}
 
-    model_config = _STRICT
+
+def _defaulted(model: type[BaseModel]) -> list[str]:
+    """Optional fields whose default is a value, not null."""
+    return [name for name, f in model.model_fields.items() if not f.is_required() and f.default is not None]
+
+
+class GenerationRequest(BaseModel):
+    """Fields shared by completions and chat completions. OpenAI's API takes null for any optional
+    field as "the default": so does this one (null `temperature` is 1, null `n` is 1, ...)."""
+
+    model_config = ConfigDict(**_STRICT, json_schema_extra=_null_is_default)  # type: ignore[typeddict-item]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_to_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            defaulted = set(_defaulted(cls))
+            return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+        return data
 
     model: str | None = Field(
-        None, max_length=256, description="The served model's id (GET /v1/models); omitted = that model."
+        None, max_length=256, description="Not used to choose: the server serves one model, which "
+        "answers whatever is named here (as TGI and llama.cpp's server do); responses name it."
     )
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -67,9 +95,18 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256, description="Accepted for compatibility and ignored.")
+    safety_identifier: str | None = Field(None, max_length=256, description="Accepted and ignored.")
+    store: bool | None = Field(None, description="Nothing is stored: false or null only.")
+    metadata: dict[str, str] | None = Field(
+        None, max_length=16, description="Accepted and ignored (it labels stored completions; none are)."
+    )
+    service_tier: Literal["auto", "default"] | None = Field(None, description="One tier: auto/default only.")
     # Declared only to be refused with a clear message (see the validators).
     n: int = Field(1, ge=1, le=MAX_COUNT, description="Only 1 is supported.")
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported (empty/null only).")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100], added to the logits before "
+        "sampling: -100 all but bans a token, 100 all but forces it."
+    )
 
     @field_validator("n")
     @classmethod
@@ -78,12 +115,30 @@ class GenerationRequest(BaseModel):
             raise _unsupported("n", f"got {v}; only one choice per request (n = 1). Send several requests.")
         return v
 
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, v: bool | None) -> bool | None:
+        if v:
+            raise _unsupported("store", "completions are not stored; send false or leave it out")
+        return v
+
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise _unsupported("logit_bias", "remove it or send an empty object")
+    def _bias_by_token_id(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        ids: set[int] = set()
+        for key, bias in (v or {}).items():
+            if not key.isascii() or not key.isdecimal() or len(key) > 10:
+                raise _invalid(f"logit_bias keys are token ids (decimal strings), got {key[:20]!r}")
+            if int(key) in ids:
+                raise _invalid(f"logit_bias names token {int(key)} twice")
+            ids.add(int(key))
+            if not -100.0 <= bias <= 100.0:
+                raise _invalid(f"logit_bias[{key!r}] is {bias}; biases are in [-100, 100]")
         return v
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as the engine takes it: (token id, bias) pairs."""
+        return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
 
     @field_validator("stop")
     @classmethod
@@ -112,11 +167,12 @@ class GenerationRequest(BaseModel):
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] = Field(
-        description="A string, a list holding one string, or a list of token ids."
+    prompt: PromptField = Field(
+        description=f"A string, a list of token ids, or up to {MAX_PROMPTS} of either in a list (one "
+        "choice each, `index` in the order given)."
     )
     max_tokens: int | None = Field(
-        16, ge=1, le=MAX_COUNT, description="Tokens to generate (OpenAI's default: 16)."
+        None, ge=1, le=MAX_COUNT, description="Tokens to generate; null or omitted: 16 (OpenAI's default)."
     )
     logprobs: int | None = Field(None, ge=0, le=20, description="Also return this many top alternatives.")
     echo: bool = Field(False, description="Not supported (false only).")
@@ -125,14 +181,17 @@ class CompletionRequest(GenerationRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: str | list[str] | list[int]) -> str | list[str] | list[int]:
+    def _prompts(cls, v: PromptField) -> PromptField:
         if isinstance(v, list):
             if not v:
                 raise _invalid("prompt must not be an empty list")
-            if isinstance(v[0], str) and len(v) != 1:
-                raise _unsupported("prompt", f"a batch of {len(v)} prompts; send one prompt per request")
-            if isinstance(v[0], int) and any(not 0 <= t <= MAX_COUNT for t in v):  # type: ignore[operator]
-                raise _invalid(f"token ids must be in [0, {MAX_COUNT}]")
+            if not isinstance(v[0], int) and len(v) > MAX_PROMPTS:
+                raise _invalid(f"prompt holds {len(v)} prompts; at most {MAX_PROMPTS} in one request")
+            for ids in [v] if isinstance(v[0], int) else [p for p in v if isinstance(p, list)]:
+                if not ids:
+                    raise _invalid("a prompt of token ids must not be empty")
+                if any(not 0 <= t <= MAX_COUNT for t in ids):  # type: ignore[operator]
+                    raise _invalid(f"token ids must be in [0, {MAX_COUNT}]")
         return v
 
     @field_validator("echo")
@@ -156,12 +215,12 @@ class CompletionRequest(GenerationRequest):
             raise _unsupported("best_of", f"got {v}; only 1")
         return v
 
-    def prompt_input(self) -> str | list[int]:
-        """The prompt as `Engine.generate` takes it: text or token ids."""
-        if isinstance(self.prompt, str):
-            return self.prompt
-        first = self.prompt[0]
-        return first if isinstance(first, str) else list(self.prompt)  # type: ignore[arg-type]
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """Each prompt as `Engine.generate` takes it: text or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
 
 class ChatMessage(BaseModel):
@@ -207,12 +266,12 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # Declared only to be refused with a clear message.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-    parallel_tool_calls: bool | None = None
+    # Tool calling is not implemented: accepted only in the forms that call no tool.
+    tools: list[Any] | None = Field(None, description="Empty or null only.")
+    tool_choice: Any = Field(None, description='"none", "auto" (with no tools) or null only.')
+    functions: list[Any] | None = Field(None, description="Empty or null only.")
+    function_call: Any = Field(None, description='"none", "auto" or null only.')
+    parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored (no tools).")
     response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
     modalities: list[str] | None = Field(None, description='Only ["text"].')
     audio: Any = None
@@ -220,11 +279,20 @@ class ChatCompletionRequest(GenerationRequest):
     reasoning_effort: Any = None
     web_search_options: Any = None
 
-    @field_validator("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+    @field_validator("tools", "functions")
     @classmethod
-    def _no_tools(cls, v: Any, info: ValidationInfo) -> Any:
-        if v is not None:
+    def _no_tools(cls, v: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
+        if v:
             raise _unsupported(str(info.field_name), "tool and function calling are not implemented")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_call(cls, v: Any, info: ValidationInfo) -> Any:
+        # With no tools, "auto" and "none" both mean a plain reply.
+        if v is not None and v not in ("none", "auto"):
+            raise _unsupported(str(info.field_name), "tool and function calling are not implemented; "
+                               'send "none", "auto" or leave it out')
         return v
 
     @field_validator("audio", "prediction", "reasoning_effort", "web_search_options")

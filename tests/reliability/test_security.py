@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from tests.error_shapes import error_kind, error_message
 from tests.reliability.conftest import ALLOWED_ORIGIN, API_KEYS
 from tests.service.server import REPO_ROOT, ServerProcess
 
@@ -54,7 +55,7 @@ def test_every_protected_route_needs_a_key_and_probes_stay_open(sclient: httpx.C
         for headers in ({}, bearer(WRONG_KEY), bearer(API_KEYS[0] + "x"), {"Authorization": API_KEYS[0]}):
             r = sclient.request(method, path, json=body, headers=headers)
             assert r.status_code == 401, (method, path, headers, r.status_code, r.text[:200])
-            assert r.json()["error"]["type"] == "authentication_error"
+            assert error_kind(r) in ("missing_api_key", "invalid_api_key")  # either dialect
             assert WRONG_KEY not in r.text and API_KEYS[0] not in r.text
         ok = sclient.request(method, path, json=body, headers=bearer(API_KEYS[1]))
         assert ok.status_code == 200, (method, path, ok.text[:200])
@@ -99,7 +100,7 @@ def test_body_limit_holds_without_content_length(client: httpx.Client) -> None:
         yield b'"}'
 
     r = client.post("/generate", content=chunks(), headers={"content-type": "application/json"})
-    assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]
+    assert r.status_code == 413 and "bytes" in error_message(r)
     assert client.get("/health").status_code == 200
 
 
@@ -131,7 +132,8 @@ def test_a_trickling_body_gets_408_and_its_connection_closed(fleet: dict[str, Se
         s.close()
         status, _, body = data.partition(b"\r\n\r\n")
         assert status.startswith(b"HTTP/1.1 408"), data[:200]
-        assert json.loads(body)["error"]["code"] == "body_timeout"
+        # TGI's error shape on /generate
+        assert "was not complete within" in json.loads(body)["error"], body
     assert time.monotonic() - start < 15
     in_flight = re.search(r'nanoserve_http_requests_in_flight\{route="/generate"\} (\S+)',
                           httpx.get(server.base_url + "/metrics", timeout=10).text)

@@ -9,6 +9,7 @@ import pytest
 import pytest_asyncio
 
 from service.auth import is_public, key_matches
+from service.error_dialects import family
 from tests.service.asgi import AppClient, asgi_client
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -48,7 +49,11 @@ async def test_every_protected_route_refuses_missing_and_wrong_keys(client: AppC
                               ({"Authorization": "Basic Zm9vOmJhcg=="}, "missing_api_key")):
             r = await client.request(method, path, headers=headers, json=GEN)
             assert r.status_code == 401, (method, path, r.text)
-            assert r.json()["error"]["code"] == code and r.json()["error"]["type"] == "authentication_error"
+            if family(method, path) == "tgi":  # TGI's shape on its routes, the shared one elsewhere
+                assert r.json() == {"error": r.json()["error"], "error_type": code}
+            else:
+                error = r.json()["error"]
+                assert error["code"] == code and error["type"] == "authentication_error"
             assert r.headers["www-authenticate"] == "Bearer"
 
 
@@ -96,8 +101,18 @@ async def test_cors_allows_only_configured_origins(client: AppClient) -> None:
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://ok.example"
     evil = await client.options("/generate", headers={"Origin": "https://evil.example", **preflight})
     assert "access-control-allow-origin" not in evil.headers
+    # Refused in the path's error dialect, as JSON (Starlette answers it in plain text).
+    assert evil.status_code == 400 and evil.headers["content-type"] == "application/json"
+    assert evil.json()["error_type"] == "validation" and "CORS" in evil.json()["error"]
+    evil = await client.options("/v1/chat/completions",
+                                headers={"Origin": "https://evil.example", **preflight})
+    assert evil.status_code == 400 and evil.json()["error"]["code"] == "cors_preflight_rejected"
     simple = await client.get("/health", headers={"Origin": "https://evil.example"})
     assert "access-control-allow-origin" not in simple.headers
+    # A cross-origin page may read the chat route's count of dropped messages.
+    ok = await client.get("/health", headers={"Origin": "https://ok.example"})
+    exposed = ok.headers["access-control-expose-headers"].lower()
+    assert "x-nanoserve-dropped-messages" in exposed and "x-request-id" in exposed
 
 
 async def test_cors_is_off_unless_configured(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
@@ -115,7 +130,7 @@ async def test_no_key_is_401_before_the_body_is_read(client: AppClient) -> None:
     for content, ctype in ((b"{not json", "application/json"), (b"inputs=x", "text/plain"),
                            (b'{"inputs": 5}', "application/json")):
         r = await client.post("/generate", content=content, headers={"content-type": ctype})
-        assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key", r.text
+        assert r.status_code == 401 and r.json()["error_type"] == "missing_api_key", r.text
     r = await client.post("/generate", content=b"{not json", headers={"content-type": "application/json",
                                                                       **bearer(KEYS[0])})
     assert r.status_code == 422

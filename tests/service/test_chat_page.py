@@ -239,12 +239,12 @@ def test_errors_are_shown_in_the_transcript(browser: Any, server: ServerProcess)
     page.fill("#api-key", OPENAI_API_KEY)
     page.press("#api-key", "Tab")
     wait_until(lambda: "tiny-test" in page.inner_text("#model"), what="the model name")
-    # Refused before streaming: the server's own 422 message, naming the field.
+    # Refused before streaming: the server's own 400 message, naming the field.
     page.fill("#max-tokens", "5000")
     page.fill("#prompt", "Hello")
     page.press("#prompt", "Enter")
     page.wait_for_selector(".msg.error", timeout=10_000)
-    assert "422: max_tokens is 5000, more than this server's limit" in page.inner_text(".msg.error")
+    assert "400: max_tokens is 5000, more than this server's limit" in page.inner_text(".msg.error")
     assert "finish: error" in page.inner_text("#status")
     # Failed after the 200: the stream's `event: error` ends the reply, its message shown.
     failure = {"error": {"message": "generation failed: <b>boom</b>", "type": "server_error",

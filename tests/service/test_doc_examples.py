@@ -65,10 +65,13 @@ async def test_the_native_examples_answer_as_the_doc_shows() -> None:
         assert list(events[-1]["details"]) == keys(last, '"details":')
         assert events[-1]["generated_text"] == "".join(e["token"]["text"] for e in events)
 
-        # The error shown under "Errors": a string where temperature's number belongs.
-        error = json.loads(blocks(HTTP, "json")[1])
+        # The errors shown under "Errors": a string where temperature's number belongs, in TGI's
+        # shape on a TGI route and in OpenAI's on /v1.
+        tgi_error, openai_error = (json.loads(b) for b in blocks(HTTP, "json")[1:3])
         r = await client.post("/generate", json={"inputs": "ROMEO:", "parameters": {"temperature": "hot"}})
-        assert r.status_code == 422 and r.json() == error
+        assert r.status_code == 422 and r.json() == tgi_error
+        r = await client.post("/v1/completions", json={"prompt": "ROMEO:", "temperature": "hot"})
+        assert r.status_code == 400 and r.json() == openai_error
 
 
 async def test_the_openai_refusal_shown_is_the_one_given() -> None:
@@ -76,7 +79,7 @@ async def test_the_openai_refusal_shown_is_the_one_given() -> None:
     async with asgi_client(CKPT) as client:
         body = {"model": "shakespeare-char", "prompt": "ROMEO:", "n": 2}
         r = await client.post("/v1/completions", json=body)
-        assert r.status_code == 422 and r.json() == shown
+        assert r.status_code == 400 and r.json() == shown
 
 
 @pytest.mark.timeout(120)

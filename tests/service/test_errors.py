@@ -1,7 +1,9 @@
-"""One error shape everywhere, the right status for each failure, and request ids / access logs."""
+"""Each API family's error shape (TGI's on the native routes, OpenAI's on /v1 and elsewhere), the
+right status for each failure, and request ids / access logs."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -43,6 +45,20 @@ def assert_error(r: httpx.Response, status: int, code: str | None = None, param:
     return error
 
 
+def assert_tgi_error(r: httpx.Response, status: int, error_type: str, names: str | None = None) -> str:
+    """TGI's error shape (what its clients parse); returns the message, which names the field."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error", "error_type"} and isinstance(body["error"], str), body
+    assert body["error_type"] == error_type, body
+    assert body["error"] and "Traceback" not in body["error"]
+    if names is not None:
+        assert names in body["error"], body
+    assert r.headers.get("x-request-id")
+    message: str = body["error"]
+    return message
+
+
 def gen(**params: Any) -> dict[str, Any]:
     return {"inputs": "Hello", "parameters": params}
 
@@ -76,63 +92,101 @@ RAW = {"content-type": "application/json"}
     ],
 )
 async def test_invalid_fields_are_422_naming_the_field(client: AppClient, body: Any, param: str) -> None:
-    error = assert_error(await client.post("/generate", json=body), 422, param=param)
-    assert param in error["message"] and error["type"] == "invalid_request_error"
+    assert_tgi_error(await client.post("/generate", json=body), 422, "validation", names=param)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "x", "temperature": "1"}, "temperature"),
+        ({"prompt": "x", "stop": [1]}, "stop"),
+        ({"prompt": 3}, "prompt"),
+        ({"prompt": "x", "extra": 1}, "extra"),
+    ],
+)
+async def test_invalid_fields_on_v1_are_400_naming_the_field(
+    client: AppClient, body: Any, param: str
+) -> None:
+    # OpenAI's dialect: 400 (the SDK's BadRequestError), with type, code and param.
+    error = assert_error(await client.post("/v1/completions", json=body), 400)
+    assert error["param"] is not None and error["param"].startswith(param) and param in error["message"]
+    assert error["type"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
 async def test_non_finite_numbers_are_422(client: AppClient, value: str) -> None:
     raw = f'{{"inputs": "x", "parameters": {{"temperature": {value}}}}}'
     r = await client.post("/generate", content=raw, headers=RAW)
-    assert_error(r, 422, param="parameters.temperature")
+    assert_tgi_error(r, 422, "validation", names="parameters.temperature")
+    raw = f'{{"prompt": "x", "temperature": {value}}}'
+    assert_error(await client.post("/v1/completions", content=raw, headers=RAW), 400, param="temperature")
 
 
 async def test_malformed_json_is_422_and_invalid_utf8_is_400(client: AppClient) -> None:
-    error = assert_error(await client.post("/generate", content=b'{"inputs": ', headers=RAW), 422)
-    assert "JSON" in error["message"]
+    message = assert_tgi_error(await client.post("/generate", content=b'{"inputs": ', headers=RAW), 422,
+                               "validation")
+    assert "JSON" in message
     r = await client.post("/generate", content=b'{"inputs": "\xff\xfe"}', headers=RAW)
+    assert "UTF-8" in assert_tgi_error(r, 400, "validation")
+    r = await client.post("/v1/completions", content=b'{"prompt": ', headers=RAW)
+    assert "JSON" in assert_error(r, 400, code="json_invalid")["message"]
+    r = await client.post("/v1/completions", content=b'{"prompt": "\xff\xfe"}', headers=RAW)
     assert "UTF-8" in assert_error(r, 400, code="invalid_utf8")["message"]
 
 
 async def test_unrepresentable_text_is_422_naming_the_character(client: AppClient) -> None:
-    error = assert_error(await client.post("/generate", json={"inputs": "caf\u00e9"}), 422, param="inputs")
-    assert "U+00E9" in error["message"]
+    r = await client.post("/generate", json={"inputs": "caf\u00e9"})
+    message = assert_tgi_error(r, 422, "validation", names="inputs")
+    assert "U+00E9" in message
     raw = b'{"inputs": "a\\ud800b"}'  # a lone surrogate, legal in JSON text, not a character
     r = await client.post("/generate", content=raw, headers=RAW)
     # Refused by the strict schema itself, before any tokenizer sees it.
-    assert "unicode" in assert_error(r, 422, code="string_unicode", param="inputs")["message"]
+    assert "unicode" in assert_tgi_error(r, 422, "validation", names="inputs")
+    r = await client.post("/v1/completions", json={"prompt": "caf\u00e9"})
+    assert "U+00E9" in assert_error(r, 400, param="prompt")["message"]
 
 
 async def test_wrong_content_type_is_415(client: AppClient) -> None:
     r = await client.post("/generate", content=json.dumps(gen()), headers={"content-type": "text/plain"})
+    assert "application/json" in assert_tgi_error(r, 415, "validation")
+    r = await client.post("/v1/completions", content=json.dumps({"prompt": "x"}),
+                          headers={"content-type": "text/plain"})
     assert "application/json" in assert_error(r, 415, code="unsupported_media_type")["message"]
 
 
 async def test_body_too_large_is_413_by_length_and_while_streaming(client: AppClient) -> None:
     big = json.dumps({"inputs": "a" * 5000}).encode()
-    assert_error(await client.post("/generate", content=big, headers=RAW), 413, code="body_too_large")
+    assert_tgi_error(await client.post("/generate", content=big, headers=RAW), 413, "validation")
 
     async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: counted as it arrives
         for i in range(0, len(big), 1000):
             yield big[i : i + 1000]
 
-    assert_error(await client.post("/generate", content=chunks(), headers=RAW), 413, code="body_too_large")
+    assert_tgi_error(await client.post("/generate", content=chunks(), headers=RAW), 413, "validation")
+    r = await client.post("/v1/completions", content=big, headers=RAW)
+    assert_error(r, 413, code="body_too_large")
 
 
 async def test_prompt_limits(client: AppClient) -> None:
     # Over the server's cap (100 tokens): refused before the engine sees it.
     r = await client.post("/generate", json={"inputs": "a" * 150})
-    error = assert_error(r, 422, "prompt_too_long", "inputs")
-    assert "150" in error["message"] and "100" in error["message"]
+    message = assert_tgi_error(r, 422, "validation", names="inputs")
+    assert "150" in message and "100" in message
     # Over the model's window (64) with cropping disabled: the engine's PromptTooLong.
     r = await client.post("/generate", json={"inputs": "a" * 80})
-    error = assert_error(r, 422, "prompt_too_long", "inputs")
-    assert "80" in error["message"] and "64" in error["message"]
+    message = assert_tgi_error(r, 422, "validation", names="inputs")
+    assert "80" in message and "64" in message
+    r = await client.post("/v1/completions", json={"prompt": "a" * 80})
+    assert_error(r, 400, "prompt_too_long", "prompt")
 
 
 async def test_unknown_route_and_wrong_method(client: AppClient) -> None:
     assert_error(await client.get("/nope"), 404, code="not_found")
-    assert_error(await client.get("/generate"), 405, code="method_not_allowed")
+    assert_tgi_error(await client.get("/generate"), 405, "method_not_allowed")
+    # OpenAI's own answer to an unknown path under /v1.
+    error = assert_error(await client.post("/v1/frobnicate", json={}), 404, code="unknown_url")
+    assert error["message"] == "Invalid URL (POST /v1/frobnicate)"
 
 
 class FakeEngine:
@@ -142,6 +196,7 @@ class FakeEngine:
         self.error = error
 
     tokenizer = CharTokenizer.train("Hello")
+    checkpoint = type("Checkpoint", (), {"name": "fake"})()
 
     def check_admission(self, client: str | None = None) -> None:
         pass  # the error comes from generate(), after the prompt is encoded
@@ -154,25 +209,28 @@ class FakeEngine:
 
 
 @pytest.mark.parametrize(
-    ("error", "status", "code"),
+    ("error", "status", "code", "error_type", "v1_status"),
     [
-        (Overloaded("queue full", retry_after_s=2.5), 429, "overloaded"),
-        (NotReady("shutting down"), 503, "not_ready"),
-        (InvalidRequest("bad token id", param="inputs"), 422, "invalid_request"),
+        (Overloaded("queue full", retry_after_s=2.5), 429, "overloaded", "overloaded", 429),
+        (NotReady("shutting down"), 503, "not_ready", "not_ready", 503),
+        (InvalidRequest("bad token id", param="inputs"), 422, "invalid_request", "validation", 400),
     ],
 )
 async def test_engine_errors_map_to_statuses(
-    tiny_checkpoint, error: Exception, status: int, code: str  # type: ignore[no-untyped-def]
+    tiny_checkpoint, error: Exception, status: int, code: str, error_type: str, v1_status: int  # type: ignore[no-untyped-def]
 ) -> None:
     app = create_app(Settings(checkpoint=tiny_checkpoint, device="cpu"))
     app.dependency_overrides[get_engine] = lambda: FakeEngine(error)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-        for route in ("/generate", "/generate_stream"):
+        for route in ("/generate", "/generate_stream", "/"):
             r = await c.post(route, json=gen())
-            assert_error(r, status, code=code)
-            assert r.json()["error"]["message"] == str(error)
+            message = assert_tgi_error(r, status, error_type)
+            assert message.endswith(str(error))
             if status == 429:
                 assert r.headers["retry-after"] == "3"  # rounded up, whole seconds
+        r = await c.post("/v1/completions", json={"prompt": "Hello"})
+        assert_error(r, v1_status, code=code)
+        assert r.json()["error"]["message"] == str(error)
 
 
 async def test_unexpected_exceptions_are_a_clean_500(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
@@ -181,9 +239,12 @@ async def test_unexpected_exceptions_are_a_clean_500(tiny_checkpoint) -> None:  
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
         r = await c.post("/generate", json=gen(), headers={"X-Request-Id": "trace-me-42"})
+        message = assert_tgi_error(r, 500, "internal_error")
+        assert "secret internals" not in r.text and "trace-me-42" in message
+        assert r.headers["x-request-id"] == "trace-me-42"
+        r = await c.post("/v1/completions", json={"prompt": "Hello"}, headers={"X-Request-Id": "trace-me-43"})
     error = assert_error(r, 500, code="internal_error")
-    assert "secret internals" not in r.text and "trace-me-42" in error["message"]
-    assert r.headers["x-request-id"] == "trace-me-42"
+    assert "secret internals" not in r.text and "trace-me-43" in error["message"]
 
 
 async def test_request_ids_are_echoed_or_generated(client: AppClient) -> None:
@@ -220,6 +281,24 @@ async def test_probes_are_logged_at_debug_level(client: AppClient, caplog: pytes
     assert levels == {"/ready": logging.DEBUG, "/nope": logging.INFO}
 
 
+async def test_several_prompts_run_all_or_none(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    # One slot and two queue places: four prompts cannot all be admitted, so none runs (429), and
+    # those already submitted are cancelled (their slot and places free within a step or two).
+    endless = 10**6  # those started would run for minutes unless cancelled
+    async with asgi_client(tiny_checkpoint, max_seqs=1, max_queue=2, max_waiting_per_client=2,
+                           max_new_tokens=endless) as client:
+        body = {"prompt": ["a", "b", "c", "d"], "max_tokens": endless}
+        assert_error(await client.post("/v1/completions", json=body), 429, code="overloaded")
+        engine = client.app.state.engine
+        for _ in range(100):
+            if engine.stats().running == 0 and engine.stats().waiting == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert engine.stats().running == 0 and engine.stats().waiting == 0
+        ok = await client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2})
+        assert ok.status_code == 200 and [c["index"] for c in ok.json()["choices"]] == [0, 1]
+
+
 async def test_a_chat_over_the_prompt_cap_is_refused_not_trimmed(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
     # Turns are dropped to fit the window only below the server's prompt cap: a conversation over
     # it gets the same 422 as any prompt (the cap bounds the work a request may ask for).
@@ -233,4 +312,4 @@ async def test_a_chat_over_the_prompt_cap_is_refused_not_trimmed(tiny_checkpoint
         r = await client.post("/v1/chat/completions", json=chat(3))  # over the window, under the cap
         assert r.status_code == 200 and int(r.headers["x-nanoserve-dropped-messages"]) >= 1
         r = await client.post("/v1/chat/completions", json=chat(9))  # over the cap
-        assert_error(r, 422, code="prompt_too_long", param="messages")
+        assert_error(r, 400, code="prompt_too_long", param="messages")

@@ -183,7 +183,7 @@ async def test_not_ready_until_the_lifespan_has_loaded_the_model(tiny_checkpoint
         assert ready.status_code == 503 and ready.json()["error"]["code"] == "not_ready"
         assert (await client.get("/health")).status_code == 200
         r = await client.post("/generate", json={"inputs": "Hi"})
-        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+        assert r.status_code == 503 and r.json()["error_type"] == "not_ready"
 
 
 def test_every_setting_is_documented() -> None:

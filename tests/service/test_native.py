@@ -44,13 +44,24 @@ async def test_details_are_omitted_unless_asked(client: AppClient) -> None:
     assert len(out["generated_text"]) == 3  # char model: one character per token
 
 
-async def test_greedy_by_default_and_with_do_sample_false(client: AppClient) -> None:
-    a, b, c = await asyncio.gather(
-        generate(client, max_new_tokens=8),
-        generate(client, max_new_tokens=8, do_sample=False, temperature=1.5, top_k=3),
-        generate(client, max_new_tokens=8, temperature=0.0),
-    )
-    assert a["generated_text"] == b["generated_text"] == c["generated_text"]
+async def test_greedy_unless_do_sample_or_a_warper_asks_for_sampling(client: AppClient) -> None:
+    # TGI's rule (NextTokenChooser: `do_sample or has_warpers`): neutral values stay greedy...
+    greedy = [
+        generate(client, max_new_tokens=8, details=True),
+        generate(client, max_new_tokens=8, do_sample=False, temperature=1.0, top_p=1.0, details=True),
+        generate(client, max_new_tokens=8, temperature=0.0, details=True),
+        generate(client, max_new_tokens=8, do_sample=True, temperature=0.0, details=True),
+    ]
+    # ... and a warper samples even with do_sample false (the seed is then reported).
+    sampled = [
+        generate(client, max_new_tokens=8, do_sample=False, temperature=1.5, seed=s, details=True)
+        for s in range(4)
+    ] + [generate(client, max_new_tokens=8, top_k=5, seed=s, details=True) for s in range(4)]
+    outs = await asyncio.gather(*greedy, *sampled)
+    assert len({o["generated_text"] for o in outs[:4]}) == 1
+    assert all(o["details"]["seed"] is None for o in outs[:4])
+    assert all(o["details"]["seed"] is not None for o in outs[4:])
+    assert len({o["generated_text"] for o in outs[4:]}) > 1
 
 
 async def test_seeded_sampling_is_reproducible(client: AppClient) -> None:
@@ -70,12 +81,19 @@ async def test_return_full_text_prepends_the_prompt(client: AppClient) -> None:
     assert full["generated_text"] == "Once" + plain["generated_text"]
 
 
-async def test_stop_sequence_ends_generation_without_the_stop_text(client: AppClient) -> None:
+async def test_stop_sequence_ends_generation_and_stays_in_the_text(client: AppClient) -> None:
     greedy = (await generate(client, max_new_tokens=20))["generated_text"]
     stop = greedy[3:5]  # greedy output is deterministic: this string will appear at position 3
+    end = greedy.index(stop) + len(stop)
     out = await generate(client, max_new_tokens=20, stop=[stop], details=True)
+    # TGI's generated_text ends with the stop sequence; every token keeps its own text.
     assert out["details"]["finish_reason"] == "stop_sequence"
-    assert out["generated_text"] == greedy[: greedy.index(stop)]
+    assert out["generated_text"] == greedy[:end]
+    assert [t["text"] for t in out["details"]["tokens"]] == list(greedy[:end])  # char model
+    body = {"inputs": "Hello", "parameters": {"max_new_tokens": 20, "stop": [stop]}, "stream": True}
+    events = sse_data((await client.post("/generate_stream", json=body)).text)
+    assert [e["token"]["text"] for e in events] == list(greedy[:end])
+    assert events[-1]["generated_text"] == greedy[:end]
 
 
 async def test_top_n_tokens_lists_alternatives(client: AppClient) -> None:
@@ -88,10 +106,16 @@ async def test_top_n_tokens_lists_alternatives(client: AppClient) -> None:
         assert chosen["id"] == step[0]["id"]  # greedy picks the most likely
 
 
-async def test_compat_route_answers_like_generate(client: AppClient) -> None:
-    a = await generate(client, max_new_tokens=5)
-    b = await generate(client, route="/", max_new_tokens=5)
-    assert a["generated_text"] == b["generated_text"]
+async def test_compat_route_answers_a_one_element_list(client: AppClient) -> None:
+    # TGI's POST / answers [GenerateResponse]; its Python client reads `payload[0]`.
+    a = await generate(client, max_new_tokens=5, details=True)
+    b = await generate(client, route="/", max_new_tokens=5, details=True)
+    assert isinstance(b, list) and len(b) == 1
+    assert a["generated_text"] == b[0]["generated_text"] and b[0]["details"]["generated_tokens"] == 5
+
+
+def sse_data(text: str) -> list[dict]:  # type: ignore[type-arg]
+    return [json.loads(line[len("data: ") :]) for line in text.splitlines() if line.startswith("data: ")]
 
 
 @pytest.mark.parametrize("route", ["/", "/generate"])
@@ -99,7 +123,7 @@ async def test_stream_true_answers_with_sse(client: AppClient, route: str) -> No
     body = {"inputs": "Hello", "parameters": {"max_new_tokens": 4}, "stream": True}
     r = await client.post(route, json=body)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-    events = [json.loads(line[len("data: ") :]) for line in r.text.splitlines() if line.startswith("data: ")]
+    events = sse_data(r.text)
     assert [e["index"] for e in events] == [0, 1, 2, 3]
     assert events[-1]["details"]["generated_tokens"] == 4
     assert events[-1]["generated_text"] == "".join(e["token"]["text"] for e in events)
@@ -133,10 +157,12 @@ async def test_long_prompt_is_cropped_to_the_window(client: AppClient) -> None:
 async def test_server_limits_and_unsupported_parameters_are_422(
     client: AppClient, params: dict, field: str
 ) -> None:
-    r = await client.post("/generate", json={"inputs": "Hello", "parameters": params})
-    assert r.status_code == 422, r.text
-    error = r.json()["error"]
-    assert error["param"] == field and field.split(".")[-1] in error["message"]
+    for route in ("/generate", "/generate_stream", "/"):
+        r = await client.post(route, json={"inputs": "Hello", "parameters": params})
+        assert r.status_code == 422, r.text
+        # TGI's error shape, which its clients map to their ValidationError.
+        assert set(r.json()) == {"error", "error_type"} and r.json()["error_type"] == "validation"
+        assert field in r.json()["error"]
 
 
 async def test_neutral_values_of_unsupported_parameters_are_accepted(client: AppClient) -> None:
@@ -155,15 +181,31 @@ async def test_tokenize_gives_ids_and_offsets(client: AppClient) -> None:
     assert [t["id"] for t in tokens] == engine.encode("Hi, you")
 
 
+async def test_tokenize_applies_truncate_and_validates_parameters(client: AppClient) -> None:
+    r = await client.post("/tokenize", json={"inputs": "Hi, you", "parameters": {"truncate": 3}})
+    assert r.status_code == 200, r.text
+    assert [(t["text"], t["start"], t["stop"]) for t in r.json()] == [("y", 4, 5), ("o", 5, 6), ("u", 6, 7)]
+    r = await client.post("/tokenize", json={"inputs": "Hi", "parameters": {"truncate": 0}})
+    assert r.status_code == 422 and r.json()["error_type"] == "validation" and "truncate" in r.json()["error"]
+
+
 async def test_tokenize_rejects_unrepresentable_text(client: AppClient) -> None:
     r = await client.post("/tokenize", json={"inputs": "naïve"})
     assert r.status_code == 422
-    assert r.json()["error"]["param"] == "inputs" and "ï" in r.json()["error"]["message"]
+    error = r.json()
+    assert error["error_type"] == "validation" and "ï" in error["error"] and "inputs" in error["error"]
 
 
 async def test_info_reports_model_and_limits(client: AppClient) -> None:
     info = (await client.get("/info")).json()
     assert info["model_id"] == "tiny-test" and info["window"] == 64
+    # TGI's limits, true for this model: the window bounds what the model reads.
+    assert info["max_input_tokens"] == 63 and info["max_total_tokens"] == 64
+    assert info["max_prompt_tokens"] == 32768  # the cap before cropping (an extension)
+    tgi_fields = {"model_id", "model_sha", "model_pipeline_tag", "max_concurrent_requests", "max_best_of",
+                  "max_stop_sequences", "max_input_tokens", "max_total_tokens", "validation_workers",
+                  "max_client_batch_size", "router", "version", "sha", "docker_label"}
+    assert tgi_fields <= set(info)
     assert info["max_new_tokens"] == 50 and info["max_stop_sequences"] == 2
     assert info["engine"]["model_config"]["n_layer"] == 2
     assert info["engine"]["provenance"] == {"note": "random weights for tests"}
@@ -175,6 +217,7 @@ async def test_max_context_shrinks_the_window_and_the_kv_cache(tiny_checkpoint, 
     async with asgi_client(tiny_checkpoint, max_context=16) as small:
         info = (await small.get("/info")).json()
         assert info["window"] == 16 and full["window"] == 64
+        assert info["max_input_tokens"] == 15 and info["max_total_tokens"] == 16
         assert info["engine"]["kv_cache_bytes"] * 4 == full["engine"]["kv_cache_bytes"]
         # A prompt longer than the window is cropped to it, as with the model's own window.
         r = await small.post("/generate", json={"inputs": "abcdefghij" * 3, "parameters": {
@@ -187,4 +230,6 @@ async def test_openapi_documents_streaming_routes_as_event_stream(client: AppCli
     stream_200 = spec["paths"]["/generate_stream"]["post"]["responses"]["200"]["content"]
     assert list(stream_200) == ["text/event-stream"]
     assert "text/event-stream" in spec["paths"]["/generate"]["post"]["responses"]["200"]["content"]
-    assert "422" in spec["paths"]["/generate"]["post"]["responses"]
+    errors = spec["paths"]["/generate"]["post"]["responses"]
+    assert errors["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/TGIErrorResponse")
+    assert "424" in errors and "429" in errors

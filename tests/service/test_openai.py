@@ -202,6 +202,14 @@ def test_logprobs(client: openai.OpenAI) -> None:
     lp = legacy.choices[0].logprobs
     assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
     assert "".join(lp.tokens) == legacy.choices[0].text and len(lp.token_logprobs) == 5
+    # OpenAI: the chosen token is always among top_logprobs (so up to N + 1 entries).
+    sampled = client.completions.create(model="tiny-test", prompt="Hi", max_tokens=8, temperature=1.5,
+                                        seed=3, logprobs=1)
+    lp = sampled.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.top_logprobs is not None
+    assert lp.token_logprobs is not None
+    for token, logprob, tops in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(tops) <= 2 and tops[token] == logprob
 
 
 @pytest.mark.parametrize(("kwargs", "field", "says"), [
@@ -218,7 +226,7 @@ def test_chat_refusals_surface_in_the_sdk(client: openai.OpenAI, kwargs: dict, f
     args: dict[str, Any] = {"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}],
                             "max_tokens": 4, **kwargs}
     for stream in (False, True):  # a streamed request is refused before its stream starts
-        with pytest.raises(openai.UnprocessableEntityError) as info:
+        with pytest.raises(openai.BadRequestError) as info:  # OpenAI's 400, not 422
             client.chat.completions.create(**args, stream=stream)
         body = info.value.body
         assert isinstance(body, dict) and body["param"].startswith(field), body
@@ -231,12 +239,74 @@ def test_prompt_forms_and_unknown_model(client: openai.OpenAI, checkpoint: Check
     as_ids = client.completions.create(model="tiny-test", prompt=ids, max_tokens=6, temperature=0)
     as_list = client.completions.create(model="tiny-test", prompt=["Hath"], max_tokens=6, temperature=0)
     assert as_text.choices[0].text == as_ids.choices[0].text == as_list.choices[0].text
-    with pytest.raises(openai.UnprocessableEntityError, match="token id 5000 is not in"):
+    with pytest.raises(openai.BadRequestError, match="token id 5000 is not in"):
         client.completions.create(model="tiny-test", prompt=[1, 5000], max_tokens=1)
-    with pytest.raises(openai.UnprocessableEntityError, match="one prompt per request"):
-        client.completions.create(model="tiny-test", prompt=["a", "b"], max_tokens=1)
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
-        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    # Several prompts: one choice each, in the order given, usage summed.
+    several = client.completions.create(model="tiny-test", prompt=["Hath", "ROMEO", "Hath"],
+                                        max_tokens=6, temperature=0)
+    assert [c.index for c in several.choices] == [0, 1, 2]
+    alone = client.completions.create(model="tiny-test", prompt="ROMEO", max_tokens=6, temperature=0)
+    texts = [c.text for c in several.choices]
+    assert texts == [as_text.choices[0].text, alone.choices[0].text, as_text.choices[0].text]
+    assert several.usage is not None and several.usage.completion_tokens == 18
+    as_ids_twice = client.completions.create(model="tiny-test", prompt=[ids, ids], max_tokens=6,
+                                             temperature=0)
+    assert [c.text for c in as_ids_twice.choices] == [as_text.choices[0].text] * 2
+    # ... and streamed: each prompt's chunks under its index, both finishes, then the summed usage.
+    chunks = list(client.completions.create(model="tiny-test", prompt=["Hath", "ROMEO"], max_tokens=6,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    streamed = ["", ""]
+    finishes = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        streamed[choice.index] += choice.text
+        if choice.finish_reason is not None:
+            finishes[choice.index] = choice.finish_reason
+    assert streamed == texts[:2] and finishes == {0: "length", 1: "length"}
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 12
+    # `model` does not choose (one model is served): any name gets the served model's answer.
+    other = client.completions.create(model="gpt-4", prompt="Hath", max_tokens=6, temperature=0)
+    assert other.model == "tiny-test" and other.choices[0].text == as_text.choices[0].text
+
+
+def test_null_means_default_and_neutral_fields_are_accepted(client: openai.OpenAI) -> None:
+    omitted = client.completions.create(model="tiny-test", prompt="Hath", temperature=0)
+    null = client.completions.create(model="tiny-test", prompt="Hath", temperature=0,
+                                     extra_body={"max_tokens": None})
+    assert omitted.usage is not None and null.usage is not None
+    assert omitted.usage.completion_tokens == null.usage.completion_tokens == 16  # OpenAI's default
+    assert omitted.choices[0].text == null.choices[0].text
+    reply = client.chat.completions.create(
+        model="whatever-the-client-calls-it", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        tools=[], tool_choice="none", parallel_tool_calls=False, store=False, metadata={}, temperature=0,
+        top_p=None, n=None, presence_penalty=None,  # the SDK sends these as null
+    )
+    assert reply.model == "tiny-test" and reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_logit_bias_bans_and_forces_tokens(client: openai.OpenAI, checkpoint: Checkpoint) -> None:
+    tok = checkpoint.tokenizer
+    free = client.completions.create(model="tiny-test", prompt="Hath", max_tokens=6, temperature=0)
+    first = tok.encode(free.choices[0].text[0])[0]
+    banned = client.completions.create(model="tiny-test", prompt="Hath", max_tokens=6, temperature=0,
+                                       logit_bias={str(first): -100})
+    assert free.choices[0].text[0] not in banned.choices[0].text
+    x = tok.encode("x")[0]
+    forced = client.chat.completions.create(model="tiny-test", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=5, temperature=1.0, seed=2, logit_bias={str(x): 100})
+    assert forced.choices[0].message.content == "xxxxx"
+    with pytest.raises(openai.BadRequestError, match="not in this model's vocabulary") as info:
+        client.completions.create(model="tiny-test", prompt="x", max_tokens=1, logit_bias={"99999": 1})
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "logit_bias"
+
+
+def test_unknown_v1_route_is_openais_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.post("/frobnicate", body={}, cast_to=dict)
+    assert info.value.body == {"message": "Invalid URL (POST /v1/frobnicate)",
+                               "type": "invalid_request_error", "code": "unknown_url", "param": None}
 
 
 def test_sse_wire_format(server: ServerProcess) -> None:
@@ -273,6 +343,31 @@ def test_closing_a_stream_frees_its_slot(client: openai.OpenAI, server: ServerPr
         time.sleep(0.1)
     assert metric_value(metrics, cancelled) == before + 1
     assert "nanoserve_running_sequences 0.0" in metrics
+
+
+def test_closing_a_stream_of_several_prompts_cancels_them_all(client: openai.OpenAI,
+                                                               server: ServerProcess) -> None:
+    cancelled = 'nanoserve_requests_cancelled_total{route="/v1/completions"}'
+    before = metric_value(httpx.get(server.base_url + "/metrics", timeout=5).text, cancelled)
+    stream = client.completions.create(model="tiny-test", prompt=["Long", "Longer"],
+                                       max_tokens=MAX_NEW_TOKENS, temperature=1.0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    stream.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        metrics = httpx.get(server.base_url + "/metrics", timeout=5).text
+        if metric_value(metrics, cancelled) == before + 2 and "nanoserve_running_sequences 0.0" in metrics:
+            break
+        time.sleep(0.1)
+    assert metric_value(metrics, cancelled) == before + 2
+    assert "nanoserve_running_sequences 0.0" in metrics
+    # One prompt failing inside the engine ends the shared stream with the error event.
+    with pytest.raises(openai.APIError, match="non-finite logits"):
+        for _ in client.completions.create(model="tiny-test", prompt=["Hath", f"{FAULT_MARKER} x"],
+                                           max_tokens=5, stream=True):
+            pass
 
 
 def test_a_failed_generation_surfaces_as_an_sdk_error(client: openai.OpenAI, server: ServerProcess) -> None:

@@ -28,18 +28,52 @@ def test_supported_fields_are_accepted() -> None:
         "n": 1, "response_format": {"type": "text"}, "logit_bias": {},
     })
     assert req.token_limit() == 5 and req.stop_list() == ["\n"] and req.include_usage()
-    assert CompletionRequest.model_validate({"prompt": ["one"]}).prompt_input() == "one"
-    assert CompletionRequest.model_validate({"prompt": [5, 6]}).prompt_input() == [5, 6]
-    assert CompletionRequest.model_validate({"prompt": "x"}).max_tokens == 16  # OpenAI's default
+    assert CompletionRequest.model_validate({"prompt": ["one"]}).prompt_inputs() == ["one"]
+    assert CompletionRequest.model_validate({"prompt": [5, 6]}).prompt_inputs() == [[5, 6]]
+    assert CompletionRequest.model_validate({"prompt": "x"}).prompt_inputs() == ["x"]
+    several = CompletionRequest.model_validate({"prompt": [[1, 2], [3]]}).prompt_inputs()
+    assert several == [[1, 2], [3]]
+    assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompt_inputs() == ["a", "b"]
+    # Omitted and null are the same: the route then uses OpenAI's default of 16.
+    assert CompletionRequest.model_validate({"prompt": "x"}).max_tokens is None
+    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": None}).max_tokens is None
+
+
+def test_neutral_values_some_clients_always_send_are_accepted() -> None:
+    # Tool-less, storeless defaults that SDKs and frameworks fill in: they ask for nothing.
+    ChatCompletionRequest.model_validate({
+        **CHAT, "tools": [], "tool_choice": "none", "parallel_tool_calls": False, "store": False,
+        "metadata": {}, "functions": [], "function_call": "none", "service_tier": "auto",
+        "safety_identifier": "u1", "max_tokens": None, "response_format": None,
+    })
+    ChatCompletionRequest.model_validate({**CHAT, "tool_choice": "auto", "parallel_tool_calls": True,
+                                          "metadata": {"app": "x"}})
+    # null is the default for every optional field, as in OpenAI's API (the SDK sends null for an
+    # argument given as None).
+    nulls = ChatCompletionRequest.model_validate({
+        **CHAT, "temperature": None, "top_p": None, "n": None, "stream": None, "logprobs": None,
+        "frequency_penalty": None, "presence_penalty": None, "max_tokens": None,
+    })
+    assert (nulls.temperature, nulls.top_p, nulls.n) == (1.0, 1.0, 1)
+    assert nulls.stream is False and nulls.logprobs is False
+    assert CompletionRequest.model_validate({"prompt": "x", "echo": None}).echo is False
+    biased = ChatCompletionRequest.model_validate({**CHAT, "logit_bias": {"5": -100, "17": 2.5}})
+    assert biased.bias_pairs() == ((5, -100.0), (17, 2.5))
 
 
 @pytest.mark.parametrize(("body", "field", "says"), [
     ({**CHAT, "n": 2}, "n", "only one choice"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools", "tool and function calling"),
-    ({**CHAT, "tool_choice": "auto"}, "tool_choice", "not supported"),
-    ({**CHAT, "functions": []}, "functions", "not supported"),
+    ({**CHAT, "tool_choice": "required"}, "tool_choice", "not supported"),
+    ({**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+     "not supported"),
+    ({**CHAT, "functions": [{"name": "f"}]}, "functions", "not supported"),
+    ({**CHAT, "store": True}, "store", "not stored"),
+    ({**CHAT, "service_tier": "flex"}, "service_tier", "'auto'"),
     ({**CHAT, "response_format": {"type": "json_object"}}, "response_format", "JSON mode"),
-    ({**CHAT, "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+    ({**CHAT, "logit_bias": {"a": 5}}, "logit_bias", "token ids"),
+    ({**CHAT, "logit_bias": {"1": 5, "01": 3}}, "logit_bias", "twice"),
+    ({**CHAT, "logit_bias": {"1": 101}}, "logit_bias", "[-100, 100]"),
     ({**CHAT, "frobnicate": 1}, "frobnicate", "Extra inputs"),
     ({**CHAT, "temperature": True}, "temperature", "valid number"),
     ({**CHAT, "temperature": math.nan}, "temperature", "finite"),
@@ -62,7 +96,8 @@ def test_chat_refusals_name_the_field(body: dict, field: str, says: str) -> None
 
 
 @pytest.mark.parametrize(("body", "field", "says"), [
-    ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    ({"prompt": ["a"] * 17}, "prompt", "at most 16"),
+    ({"prompt": [[1], []]}, "prompt", "must not be empty"),
     ({"prompt": []}, "prompt", "empty"),
     ({"prompt": "x", "echo": True}, "echo", "not supported"),
     ({"prompt": "x", "best_of": 3}, "best_of", "not supported"),

@@ -59,6 +59,31 @@ def test_stop_matcher_holds_back_prefixes() -> None:
     assert m.feed("\nrest") == ("", True)
 
 
+def test_stop_matcher_keeping_the_stop_emits_every_token_whole() -> None:
+    # TGI's rule: nothing held back, the stop string stays in the text, found across tokens.
+    m = StopMatcher(("END", "\n\n"), keep=True)
+    assert m.feed("abc E") == ("abc E", False)
+    assert m.feed("N") == ("N", False)
+    assert m.feed("x") == ("x", False)
+    assert m.feed("E") == ("E", False)
+    assert m.feed("ND!") == ("ND!", True)  # "END" spans the last two feeds
+    assert m.flush() == ""
+    m = StopMatcher(("\n\n",), keep=True)
+    assert m.feed("a\n") == ("a\n", False) and m.feed("\nb") == ("\nb", True)
+
+
+async def test_keep_stop_ends_at_the_stop_with_its_text(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    free = await collect(engine, "Hello", max_new_tokens=60, temperature=0.0, stop_on_eos=False)
+    text = "".join(e.text for e in free)
+    stop = text[20:23]
+    end = text.index(stop) + len(stop)
+    events = await collect(engine, "Hello", max_new_tokens=60, temperature=0.0, stop=(stop,),
+                           keep_stop=True, stop_on_eos=False)
+    assert events[-1].finish_reason is FinishReason.STOP_SEQUENCE
+    assert [e.text for e in events] == list(text[:end])  # char model: one character a token
+
+
 async def test_stop_string_spanning_tokens_is_never_streamed(make_engine: EngineFactory) -> None:
     engine = make_engine()
     free = await collect(engine, "Hello", max_new_tokens=60, temperature=0.0, stop_on_eos=False)
