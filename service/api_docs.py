@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from service.auth import METRICS_PATH, is_public
 from service.error_dialects import family
 from service.schemas.common import ErrorResponse
-from service.schemas.native import TGIErrorResponse
+from service.schemas.tgi import TGIErrorResponse
 
 # Models that only appear inside event streams; registered by the modules that stream them.
 SSE_MODELS: dict[str, type[BaseModel]] = {}

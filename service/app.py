@@ -154,12 +154,12 @@ async def drain_engine(engine: Engine, timeout_s: float) -> None:
 
 def _include_routers(app: FastAPI) -> None:
     from service.routes.chat_page import router as chat_page_router
-    from service.routes.native import router as native_router
     from service.routes.openai import router as openai_router
     from service.routes.system import router as system_router
+    from service.routes.tgi import router as tgi_router
 
     app.include_router(system_router)
-    app.include_router(native_router)
+    app.include_router(tgi_router)
     app.include_router(openai_router)
     app.include_router(chat_page_router)
 
@@ -171,7 +171,7 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app = FastAPI(
         title="nanoserve",
         version=server_version(),
-        description="Text generation for small GPT models: TGI-style native API and an "
+        description="Text generation for small GPT models: the TGI API and an "
         "OpenAI-compatible API, with SSE streaming.",
         lifespan=lifespan,
         # Only with keys: without them the OpenAPI document must not claim a security scheme.

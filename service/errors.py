@@ -4,7 +4,7 @@
 the precise machine-readable reason, `param` names the offending field (dotted path) when there is
 one. Validation errors are 422 and name the field; nothing ever answers with a traceback.
 service/error_dialects.py then answers each API family in its own clients' dialect (TGI's shape on
-the native routes, 400 for invalid requests on /v1).
+the TGI routes, 400 for invalid requests on /v1).
 """
 
 from __future__ import annotations

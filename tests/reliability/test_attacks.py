@@ -26,8 +26,8 @@ from typing import Any, get_args
 import httpx
 import pytest
 
-from service.schemas.native import GenerateParameters
 from service.schemas.openai import ChatCompletionRequest, CompletionRequest
+from service.schemas.tgi import GenerateParameters
 from tests.error_shapes import error_kind, error_message
 from tests.reliability.conftest import ONE_THREAD, READY_TIMEOUT_S
 from tests.reliability.observe import rss_bytes

@@ -19,7 +19,7 @@ from tests.service.server import ServerProcess
 ROOT = Path(__file__).resolve().parents[2]
 CKPT = ROOT / "checkpoints" / "shakespeare-char"
 API = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
-# The native (TGI) part, then the OpenAI part.
+# The TGI part, then the OpenAI part.
 HTTP, OPENAI = API.split("\n## OpenAI-compatible API\n", 1)
 
 

@@ -1,4 +1,4 @@
-"""Each API family's error shape (TGI's on the native routes, OpenAI's on /v1 and elsewhere), the
+"""Each API family's error shape (TGI's on the TGI routes, OpenAI's on /v1 and elsewhere), the
 right status for each failure, and request ids / access logs."""
 
 from __future__ import annotations

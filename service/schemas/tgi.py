@@ -1,4 +1,4 @@
-"""The native API's shapes, as Hugging Face text-generation-inference (TGI) defines them.
+"""The TGI API's shapes, as Hugging Face text-generation-inference defines them.
 
 Requests are strict (see schemas/common.py). TGI parameters this server does not implement are
 declared so that clients sending their neutral value (`huggingface_hub` sends `"watermark": false`)

@@ -149,8 +149,8 @@ def test_huggingface_hub_client(server: ServerProcess) -> None:
 def test_direct_token_event_json_equals_the_pydantic_rendering(event: TokenEvent) -> None:
     """The streaming hot path writes a mid-stream event's JSON directly; it must be the very
     bytes the schema (StreamResponse) would produce."""
-    from service.routes.native import _token, token_event_bytes
-    from service.schemas.native import StreamResponse
+    from service.routes.tgi import _token, token_event_bytes
+    from service.schemas.tgi import StreamResponse
     from service.sse import sse_event
 
     assert token_event_bytes(event) == sse_event(StreamResponse(index=event.index, token=_token(event)))

@@ -1,4 +1,4 @@
-"""The native API in text-generation-inference's shapes: /generate, /generate_stream, POST /,
+"""The TGI API, in text-generation-inference's shapes: /generate, /generate_stream, POST /,
 /tokenize and /info. Routes validate, call the engine, and translate its token events."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from service.engine.types import SamplingParams, TokenEvent, TopToken
 from service.error_dialects import tgi_error_body
 from service.generation import Completed, check_limits, collect, sse_response, start_generation
 from service.schemas.common import error_responses
-from service.schemas.native import (
+from service.schemas.openai import MAX_PROMPTS
+from service.schemas.tgi import (
     Details,
     GenerateParameters,
     GenerateRequest,
@@ -32,11 +33,10 @@ from service.schemas.native import (
     Token,
     TokenizeRequest,
 )
-from service.schemas.openai import MAX_PROMPTS
 from service.settings import Settings
 from service.sse import sse_event
 
-router = APIRouter(tags=["native (TGI)"])
+router = APIRouter(tags=["TGI"])
 
 # Errors on these routes are in TGI's shape (service/error_dialects.py).
 GENERATION_ERRORS = error_responses(401, 413, 415, 422, 424, 429, 500, 503, model=TGIErrorResponse)
