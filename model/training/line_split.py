@@ -8,6 +8,10 @@ model sampling new items from a fresh line is asked to do.
 
 from __future__ import annotations
 
+import argparse
+import random
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -46,3 +50,25 @@ def line_loss(model: GPT, tokenizer: Tokenizer, lines: list[str], batch: int = 5
                                  ignore_index=-100, reduction="sum").item()
         count += int((targets != -100).sum())
     return total / count
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write a corpus's training lines, shuffled with a seed, one a line: the file `nanoserve train`
+    reads. Shuffled, because a file in some order (names by popularity) would let a model learn
+    where in the file it is from the lines before, which a fresh line never has."""
+    p = argparse.ArgumentParser(prog="python -m model.training.line_split", description=main.__doc__)
+    p.add_argument("corpus", help="UTF-8 text, one item a line")
+    p.add_argument("--out", required=True, help="where to write the training lines")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    with open(args.corpus, encoding="utf-8") as f:
+        train, held_out = split_lines(f.read())
+    random.Random(args.seed).shuffle(train)
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write("\n".join(train) + "\n")
+    print(f"{len(train)} training lines to {args.out}; {len(held_out)} held out")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
