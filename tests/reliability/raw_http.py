@@ -103,7 +103,9 @@ def _dechunk(data: bytes) -> tuple[bytes, bytes, bool]:
 
 
 def error_code(body: bytes) -> str:
-    return str(json.loads(body)["error"]["code"])
+    """The error's code: the shared shape's `error.code`, or TGI's `error_type` on its routes."""
+    data = json.loads(body)
+    return str(data["error"]["code"] if isinstance(data["error"], dict) else data["error_type"])
 
 
 @dataclass

@@ -119,7 +119,9 @@ class SlowReader:
 
     @property
     def finished(self) -> bool:
-        return b'"generated_text":"' in self.received or b"event: error" in self.received
+        # A TGI stream ends with its last token's details, or with TGI's error event (a data line
+        # with "error" and "error_type").
+        return b'"generated_text":"' in self.received or b'"error_type":' in self.received
 
     def close(self) -> None:
         self.sock.close()
@@ -173,10 +175,10 @@ def test_engine_fault_ends_one_request_with_an_error_event(
         async with client.stream("POST", "/generate_stream", json=body, headers=headers) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
-                assert not line.startswith("event: error"), line
                 if not line.startswith("data: "):
                     continue
                 event = json.loads(line.removeprefix("data: "))
+                assert "error" not in event, line
                 assert event["generated_text"] is None, "a mate ended by itself: the test lost its hold"
                 texts.append(event["token"]["text"])
                 started.set()
@@ -197,7 +199,9 @@ def test_engine_fault_ends_one_request_with_an_error_event(
             return poisoned.text, await asyncio.wait_for(asyncio.gather(*mates), 60), after_fault
 
     poisoned, mates, after_fault = asyncio.run(batch())
-    assert "event: error" in poisoned and '"generated_text"' not in poisoned, poisoned
+    # TGI's error event: one data line {"error", "error_type": "generation"} ends the stream.
+    last = json.loads(poisoned.strip().splitlines()[-1].removeprefix("data: "))
+    assert last["error_type"] == "generation" and '"generated_text"' not in poisoned, poisoned
     # The mates' tokens, up to one made after the fault, are exactly what each makes alone.
     with httpx.Client(base_url=url, timeout=60, headers=headers) as client:
         for seed, text in zip(seeds, mates, strict=True):
@@ -210,7 +214,7 @@ def test_engine_fault_ends_one_request_with_an_error_event(
     errors = total(scrape(url), "nanoserve_requests_finished_total", finish_reason="error")
     assert errors == 1
     wait_until(lambda: engine_idle(url), timeout_s=10)
-    print(f"fault {server}: poisoned request ended with event: error; its {mates_n} mates were "
+    print(f"fault {server}: poisoned request ended with an error event; its {mates_n} mates were "
           f"running then and matched solo runs over {after_fault}+ tokens")
 
 
