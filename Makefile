@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # The CPU build of torch first: an unpinned torch could resolve to a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install serve test lint cwarnings sanitize bench gpu-wheels gpu-dry-run clean
+.PHONY: install serve test lint cwarnings sanitize bench gpu-wheels gpu-dry-run baby-names clean
 
 # The native step's sources, its header and the fragments decode.c includes: `pip install -e .`
 # compiles them, so a change to them reinstalls.
@@ -63,6 +63,15 @@ gpu-wheels: install
 
 gpu-dry-run: install
 	PYTHON=$(PY) bench/gpu/run.sh --dry-run
+
+# checkpoints/baby-names, as its model card says (about 20 minutes on 2 cores).
+baby-names: install
+	mkdir -p build
+	$(PY) -m model.training.line_split data/names/names.txt --out build/names-train.txt --seed 0
+	$(VENV)/bin/nanoserve train build/names-train.txt --out checkpoints/baby-names --name baby-names \
+		--tokenizer char --arch llama --n-layer 4 --n-head 4 --n-kv-head 2 --n-embd 128 --block-size 16 \
+		--dropout 0.1 --batch-size 64 --max-iters 6000 --lr 2e-3 --min-lr 2e-4 --warmup-iters 200 \
+		--eval-interval 250 --eval-iters 40 --max-minutes 35 --no-progress
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -52,6 +52,27 @@ def line_loss(model: GPT, tokenizer: Tokenizer, lines: list[str], batch: int = 5
     return total / count
 
 
+@torch.no_grad()
+def sample_lines(model: GPT, tokenizer: Tokenizer, n: int, seed: int, max_len: int = 32) -> list[str]:
+    """`n` lines sampled (temperature 1) from a fresh line: "\n", then tokens until the next "\n"."""
+    model.eval()
+    newline = tokenizer.encode("\n")
+    if len(newline) != 1:
+        raise ValueError("sampling lines needs a newline that is one token")
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.full((n, 1), newline[0], dtype=torch.long)
+    done = torch.zeros(n, dtype=torch.bool)
+    for _ in range(min(max_len, model.config.block_size - 1)):
+        probs = model(rows)[:, -1, :].float().softmax(dim=-1)
+        nxt = torch.multinomial(probs, 1, generator=gen).view(-1)
+        nxt[done] = newline[0]
+        rows = torch.cat([rows, nxt.view(-1, 1)], dim=1)
+        done |= nxt == newline[0]
+        if bool(done.all()):
+            break
+    return [tokenizer.decode(r.tolist()[1:]).split("\n", 1)[0] for r in rows]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Write a corpus's training lines, shuffled with a seed, one a line: the file `nanoserve train`
     reads. Shuffled, because a file in some order (names by popularity) would let a model learn
