@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -299,19 +300,7 @@ def _to_our_names(
         if any(name.endswith(s) for s in _CONV1D) and t.dim() == 2:
             t = t.t()
         ours[name] = t.contiguous()
-    expected = expected_tensors(config)
-    problem = name_mismatch(expected, ours)
-    if problem:
-        raise HFConversionError(f"{source}: {problem}")
-    for name, (shape, _) in expected.items():
-        if tuple(ours[name].shape) != shape:
-            got = list(ours[name].shape)
-            if any(name.endswith(s) for s in _CONV1D):
-                got = got[::-1]  # report the shape as it is stored in the HF file
-                shape = shape[::-1]
-            raise HFConversionError(
-                f"{source}: tensor {name} has shape {got}, config.json implies {list(shape)}"
-            )
+    _check_names_and_shapes(ours, config, source, transposed=lambda n: any(n.endswith(s) for s in _CONV1D))
     if lm_head is not None and not torch.equal(lm_head, ours["wte.weight"]):
         # Only tied output embeddings exist in this GPT.
         raise HFConversionError(
@@ -329,18 +318,21 @@ def _from_llama(hf: dict[str, torch.Tensor], config: GPTConfig, source: str) -> 
         raise HFConversionError(f"{source}: projections of inconsistent shapes ({e})") from None
 
 
-def _check_names_and_shapes(ours: dict[str, torch.Tensor], config: GPTConfig, source: str
+def _check_names_and_shapes(ours: dict[str, torch.Tensor], config: GPTConfig, source: str,
+                            transposed: Callable[[str], bool] = lambda name: False
                             ) -> dict[str, torch.Tensor]:
+    """Every name the config implies, no other, each of its shape; `transposed(name)`: the HF file
+    stores that tensor transposed (GPT-2's Conv1D), so its shapes are reported as stored."""
     expected = expected_tensors(config)
     problem = name_mismatch(expected, ours)
     if problem:
         raise HFConversionError(f"{source}: {problem}")
     for name, (shape, _) in expected.items():
         if tuple(ours[name].shape) != shape:
-            raise HFConversionError(
-                f"{source}: tensor {name} has shape {list(ours[name].shape)}, config.json implies "
-                f"{list(shape)}"
-            )
+            got, want = list(ours[name].shape), list(shape)
+            if transposed(name):
+                got, want = got[::-1], want[::-1]
+            raise HFConversionError(f"{source}: tensor {name} has shape {got}, config.json implies {want}")
     return ours
 
 
