@@ -191,8 +191,11 @@ class Engine:
                 "retry later",
                 retry_after_s=self.expected_wait_s(),
             )
+        # The client's share counts what waits beyond the free slots: requests queued a moment
+        # before the engine thread admits them to free slots are not the queue (a snapshot; the
+        # engine thread owns the slots).
         mine, cap = self._waiting.by_client.get(client, 0), self.config.client_queue_share()
-        if client is not None and mine >= cap:
+        if client is not None and mine - len(self.scheduler.free_slots) >= cap:
             raise Overloaded(
                 f"this client already has {mine} requests waiting (max_waiting_per_client {cap}); "
                 "retry later",
