@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.service.conftest import OPENAI_API_KEY
+from tests.service.conftest import OPENAI_API_KEY, metric_value
 from tests.service.server import ServerProcess
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello there"}]
@@ -106,3 +107,13 @@ def test_completions_best_of_returns_the_highest_mean_logprob(client: openai.Ope
 def test_choice_limits_are_bad_requests(client: openai.OpenAI, kwargs: dict) -> None:  # type: ignore[type-arg]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="m", prompt="Hello", temperature=1.0, max_tokens=MAX, **kwargs)
+
+
+def test_the_shared_prefill_is_counted(client: openai.OpenAI, openai_server: ServerProcess) -> None:
+    series = "nanoserve_engine_prefill_tokens_shared_total"
+    before = metric_value(httpx.get(openai_server.base_url + "/metrics", timeout=5).text, series)
+    prompt = "Hello there, how are you"
+    out = client.completions.create(model="m", prompt=prompt, n=3, seed=1, temperature=1.0, max_tokens=2)
+    assert out.usage is not None
+    after = metric_value(httpx.get(openai_server.base_url + "/metrics", timeout=5).text, series)
+    assert after - before == 2 * (out.usage.prompt_tokens - 1)  # two followers, all but the last token
