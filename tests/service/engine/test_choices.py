@@ -7,18 +7,23 @@ import asyncio
 import pytest
 
 from service.engine.stream import GenerationStream
-from service.engine.types import FinishReason, InvalidRequest, SamplingParams
+from service.engine.types import FinishReason, InvalidRequest, SamplingParams, TokenEvent
+from tests.faults import injected_faults
 from tests.service.engine.conftest import EngineFactory, collect, token_ids
 from tests.service.engine.test_scheduling import wait_for
 
 PROMPT = "the quick brown fox jumps over"
 
 
-async def _drain(streams: list[GenerationStream]) -> list[list[int]]:
-    async def one(stream: GenerationStream) -> list[int]:
-        return token_ids([event async for event in stream])
+async def _events(streams: list[GenerationStream]) -> list[list[TokenEvent]]:
+    async def one(stream: GenerationStream) -> list[TokenEvent]:
+        return [event async for event in stream]
 
     return list(await asyncio.gather(*(one(s) for s in streams)))
+
+
+async def _drain(streams: list[GenerationStream]) -> list[list[int]]:
+    return [token_ids(events) for events in await _events(streams)]
 
 
 async def test_choice_i_draws_what_seed_plus_i_draws_alone(make_engine: EngineFactory) -> None:
@@ -78,31 +83,33 @@ async def test_a_group_waits_for_all_its_slots_and_a_cancelled_leader_is_replace
     await wait_for(lambda: engine.stats().slots_used == 0)
 
 
-async def test_a_follower_prefills_alone_when_its_leader_fails_first(make_engine: EngineFactory) -> None:
+async def test_a_follower_prefills_alone_when_its_leader_ends_first(make_engine: EngineFactory) -> None:
     engine = make_engine(max_seqs=2)
-    prompt = engine.encode(PROMPT)
     params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=9, stop_on_eos=False)
-    scheduler = engine.scheduler
-    leader_req, follower_req = None, None
-    original = scheduler.share_prefill
-
-    def never(leader):  # type: ignore[no-untyped-def]
-        raise AssertionError("the cancelled leader must not share")
-
-    scheduler.share_prefill = never  # type: ignore[method-assign]
-    with engine._cond:  # hold the engine thread while the group is queued and the leader cancelled
-        streams = await engine.generate_choices(prompt, params, 2)
-        leader_req, follower_req = streams[0]._request, streams[1]._request
-        scheduler.admit(engine._waiting.pop_fair([]), 0.0)
-        assert follower_req.leader is leader_req
-        scheduler.release(leader_req)  # what ending the leader (error, cancel) does
-        leader_req.cancelled = True
-        assert follower_req.leader is None
-    events = [e async for e in streams[1]]
-    scheduler.share_prefill = original  # type: ignore[method-assign]
-    alone = await collect(engine, prompt, max_new_tokens=4, temperature=1.0, seed=10, stop_on_eos=False)
+    shared_before = engine.stats().extra["prefill_tokens_shared_total"]
+    with engine._cond:  # the engine thread waits: admit the group, then end its leader before its prefill
+        leader, follower = await engine.generate_choices(PROMPT, params, 2)
+        engine.scheduler.admit(engine._waiting.pop_fair([]), 0.0)
+        leader._request.cancelled = True
+    assert [e async for e in leader][-1].finish_reason is FinishReason.CANCELLED
+    events = [e async for e in follower]
+    alone = await collect(engine, PROMPT, max_new_tokens=4, temperature=1.0, seed=10, stop_on_eos=False)
     assert token_ids(events) == token_ids(alone)
-    await streams[0].aclose()
+    assert engine.stats().extra["prefill_tokens_shared_total"] == shared_before  # nothing was shared
+    await wait_for(lambda: engine.stats().slots_used == 0)
+
+
+async def test_a_failing_prompt_fails_every_choice_and_frees_every_slot(
+    make_engine: EngineFactory,
+) -> None:
+    with injected_faults("raise:POISON"):
+        engine = make_engine(max_seqs=3)
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    finals = [events[-1] for events in await _events(await engine.generate_choices("POISON abc", params, 3))]
+    assert all(f.finish_reason is FinishReason.ERROR and "injected fault" in (f.error or "") for f in finals)
+    await wait_for(lambda: engine.stats().slots_used == 0)
+    events = await collect(engine, "abc", max_new_tokens=2, temperature=0.0)
+    assert events[-1].finish_reason is FinishReason.LENGTH
 
 
 async def test_more_choices_than_slots_is_refused(make_engine: EngineFactory) -> None:
