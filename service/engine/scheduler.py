@@ -155,7 +155,7 @@ class Scheduler:
         in one forward instead of a few, and nobody's next token waits for it.
         """
         items: list[WorkItem] = []
-        decoding = any(req.pending == 1 for req in self.running)
+        decoding = any(req.pending == 1 and req.leader is None for req in self.running)
         budget = self.config.prefill_budget
         if not decoding:  # never below the normal budget, so the first chunk always fits
             budget = max(budget, self.config.idle_prefill_budget)
