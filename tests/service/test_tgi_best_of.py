@@ -9,9 +9,12 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from tests.conftest import require_module
 from tests.service.asgi import AppClient, asgi_client
+from tests.service.conftest import OPENAI_API_KEY
+from tests.service.server import ServerProcess
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+ASYNC = pytest.mark.asyncio(loop_scope="module")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -31,6 +34,7 @@ def _mean_logprob(tokens: list[dict[str, Any]]) -> float:
     return sum(t["logprob"] for t in tokens) / len(tokens)
 
 
+@ASYNC
 async def test_best_of_answers_the_best_and_lists_the_others(client: AppClient) -> None:
     out = await _generate(client, best_of=3, do_sample=True, max_new_tokens=8, details=True)
     details = out["details"]
@@ -58,16 +62,19 @@ async def test_best_of_answers_the_best_and_lists_the_others(client: AppClient) 
         assert other["generated_tokens"] == len(other["tokens"])
 
 
+@ASYNC
 async def test_best_of_without_details_is_one_text(client: AppClient) -> None:
     out = await _generate(client, best_of=2, temperature=0.8, max_new_tokens=4)
     assert out.get("details") is None and isinstance(out["generated_text"], str)
 
 
+@ASYNC
 async def test_best_of_one_has_no_sequences(client: AppClient) -> None:
     out = await _generate(client, best_of=1, max_new_tokens=2, details=True)
     assert out["details"]["best_of_sequences"] is None
 
 
+@ASYNC
 @pytest.mark.parametrize(
     ("params", "route", "says"),
     [
@@ -93,5 +100,28 @@ async def test_tgi_best_of_rules(client: AppClient, params: dict[str, Any], rout
     assert body["error"] == f"parameters.best_of: {says}"  # TGI's words, after the field's name
 
 
+@ASYNC
 async def test_info_reports_max_best_of(client: AppClient) -> None:
     assert (await client.get("/info")).json()["max_best_of"] == 3
+
+
+def test_the_tgi_clients_read_best_of_sequences(openai_server: ServerProcess) -> None:
+    """huggingface_hub's InferenceClient and TGI's own client, unmodified, get best_of's answer."""
+    from huggingface_hub import InferenceClient
+    from huggingface_hub.errors import ValidationError
+
+    hub = InferenceClient(model=openai_server.base_url, api_key=OPENAI_API_KEY, timeout=30)
+    out = hub.text_generation("Hello", max_new_tokens=4, best_of=2, do_sample=True, details=True)
+    assert out.details is not None and out.details.best_of_sequences is not None
+    (other,) = out.details.best_of_sequences
+    assert other.generated_tokens == len(other.tokens) and other.seed is not None
+    assert out.details.seed is not None and abs(other.seed - out.details.seed) == 1  # consecutive seeds
+    with pytest.raises(ValidationError, match="you must use sampling"):
+        hub.text_generation("Hello", max_new_tokens=2, best_of=2, details=True)
+    require_module("text_generation")
+    from text_generation import Client
+
+    tgi = Client(openai_server.base_url, headers={"Authorization": f"Bearer {OPENAI_API_KEY}"}, timeout=30)
+    answer = tgi.generate("Hello", max_new_tokens=4, best_of=2, do_sample=True)
+    assert answer.details is not None and answer.details.best_of_sequences is not None
+    assert len(answer.details.best_of_sequences) == 1
