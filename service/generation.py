@@ -97,6 +97,19 @@ async def start_generation(
 
     `param` names the request field holding the prompt, for error messages.
     """
+    return (await start_choices(request, engine, prompt, params, 1, param=param))[0]
+
+
+async def start_choices(
+    request: Request,
+    engine: Engine,
+    prompt: str | list[int],
+    params: SamplingParams,
+    n: int,
+    *,
+    param: str = "inputs",
+) -> list[Generation]:
+    """`start_generation` for `n` choices of one prompt (prefilled once: Engine.generate_choices)."""
     limit = request.app.state.settings.max_prompt_tokens
     if not prompt:
         raise APIError(422, f"{param} must not be empty", code="empty_prompt", param=param)
@@ -113,20 +126,24 @@ async def start_generation(
         ids = prompt
     record = record_of(request)
     try:
-        stream = await engine.generate(
-            ids, params, request_id=record.request_id,
+        streams = await engine.generate_choices(
+            ids, params, n, request_id=record.request_id,
             stream_interval=request.app.state.settings.stream_interval, client=client,
         )
     except InvalidRequest as exc:
         if exc.param in (None, "inputs"):  # the engine's name for the prompt: the route's field
             exc.param = param
         raise
-    record.started(stream.prompt_tokens, stream.cropped_tokens)
+    record.started(streams[0].prompt_tokens, streams[0].cropped_tokens)
     arrival: float = request.state.arrival
     metrics, route = request.app.state.metrics, route_template(request)
-    stats = metrics.stream_record(stream, route, arrival)
-    tracked = metrics.track_stream(stream, route, arrival, stats)
-    return Generation(stream, _recorded(tracked, request), observers=(stats.on_event, record.observe))
+    gens = []
+    for stream in streams:
+        stats = metrics.stream_record(stream, route, arrival)
+        tracked = metrics.track_stream(stream, route, arrival, stats)
+        gens.append(Generation(stream, _recorded(tracked, request),
+                               observers=(stats.on_event, record.observe)))
+    return gens
 
 
 def sse_response(

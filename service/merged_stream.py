@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
 from service.engine.types import FinishReason, TokenEvent
@@ -75,8 +75,8 @@ class MergedStream:
             await gen.aclose()
 
 
-def merged_sse_response(stream: MergedStream, settings: Settings, *,
-                        trailer: Iterable[bytes] = ()) -> EventStreamResponse:
+def merged_sse_response(stream: MergedStream, settings: Settings, *, trailer: Iterable[bytes] = (),
+                        headers: Mapping[str, str] | None = None) -> EventStreamResponse:
     """`stream` as one SSE response (no direct writes: the events come through one task)."""
     return event_stream(stream.events(), stream.render, keepalive_s=settings.keepalive_interval,
-                        on_close=stream.aclose, trailer=trailer)
+                        on_close=stream.aclose, trailer=trailer, headers=headers)

@@ -41,7 +41,7 @@ from service.engine.types import (
     SamplingParams,
     TokenEvent,
 )
-from service.engine.validation import crop_prompt, effective_params, validate_ids, validate_params
+from service.engine.validation import MAX_SEED, crop_prompt, effective_params, validate_ids, validate_params
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +164,26 @@ class Engine:
         `client` identifies the caller for fair admission and its share of the queue
         (EngineConfig.max_waiting_per_client); None takes part in neither.
         """
+        return (await self.generate_choices(prompt, params, 1, request_id, stream_interval, client))[0]
+
+    async def generate_choices(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        n: int,
+        request_id: str | None = None,
+        stream_interval: int = 1,
+        client: str | None = None,
+    ) -> list[GenerationStream]:
+        """`n` generations of one prompt (OpenAI's `n`, `best_of`), one stream each: choice i
+        samples with seed + i, so it draws what a request with that seed draws alone. The prompt
+        is prefilled once and its cache copied to the other choices' slots. The group is
+        admitted when `n` slots are free and counts as one entry of the waiting queue."""
         try:
-            return self._submit(prompt, params, request_id or new_id(), stream_interval, client)
+            if not 1 <= n <= self.config.max_seqs:
+                raise InvalidRequest(f"n is {n}: this server runs 1 to {self.config.max_seqs} "
+                                     "choices of one prompt (max_seqs)", param="n")
+            return self._submit(prompt, params, request_id or new_id(), stream_interval, client, n)
         except EngineError as e:
             self._safe(self.observer.on_rejected, e.code)
             raise
@@ -213,8 +231,8 @@ class Engine:
 
     def _submit(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, stream_interval: int,
-        client: str | None,
-    ) -> GenerationStream:
+        client: str | None, n: int,
+    ) -> list[GenerationStream]:
         self._check_admission(client)
         vocab = self.tokenizer.vocab_size
         validate_params(params, vocab)
@@ -230,23 +248,31 @@ class Engine:
             ids = [self.tokenizer.eos_id]  # GPT-2 convention: unconditional text follows <|endoftext|>
         kept, cropped = crop_prompt(ids, self.window, params.truncate, self.config.reject_long_prompts)
         loop = asyncio.get_running_loop()
-        req = Request(
-            request_id=request_id,
-            prompt_ids=kept,
-            params=params,
-            seed=params.seed if params.seed is not None else new_seed(),
-            cropped=cropped,
-            tokenizer=self.tokenizer,
-            loop=loop,
-            queue=Inbox(loop, stream_interval, _ends_stream),
-            client=client,
-        )
+        seed = params.seed if params.seed is not None else new_seed()
+        reqs = [
+            Request(
+                request_id=request_id if n == 1 else f"{request_id}-{i}",
+                prompt_ids=kept,
+                params=params,
+                seed=(seed + i) % (MAX_SEED + 1),  # wraps to stay a valid seed
+                cropped=cropped,
+                tokenizer=self.tokenizer,
+                loop=loop,
+                queue=Inbox(loop, stream_interval, _ends_stream),
+                client=client,
+            )
+            for i in range(n)
+        ]
+        leader = reqs[0]
+        leader.followers = reqs[1:]
+        for follower in leader.followers:
+            follower.leader = leader
         with self._cond:
             self._check_admission(client)  # again, under the lock: others may have queued since
-            self._waiting.append(req)
-            self._unfinished += 1
+            self._waiting.append(leader)
+            self._unfinished += n
             self._cond.notify()
-        return GenerationStream(req, self._cancel)
+        return [GenerationStream(req, self._cancel) for req in reqs]
 
     def _cancel(self, req: Request) -> None:
         req.cancelled = True
@@ -268,6 +294,8 @@ class Engine:
                 "prefill_tokens_total": float(s.prefilled_tokens),
                 "context_shifts_total": float(s.context_shifts),
                 "preemptions_total": float(s.preemptions),
+                # Prompt tokens of n > 1 / best_of choices copied from one prefill, not recomputed.
+                "prefill_tokens_shared_total": float(s.shared_prefill_tokens),
             },
         )
 
@@ -325,15 +353,14 @@ class Engine:
                 return False
             now = time.perf_counter()
             early = self._waiting.reap(now)
-            while self.scheduler.has_free_slot and len(self._waiting):
-                self.scheduler.admit(self._waiting.pop_fair(self.scheduler.running), now)
+            self._admit(now)
             # One client holding every slot while another waits with none: one of its requests
             # steps aside (at most one a step), so nobody's first token waits for whole streams.
             victim = self.scheduler.preemption_victim(self._waiting)
             if victim is not None:
                 self.scheduler.preempt(victim)
                 self._waiting.push_front(victim)
-                self.scheduler.admit(self._waiting.pop_fair(self.scheduler.running), now)
+                self._admit(now)
         t0 = time.perf_counter()
         try:
             result = self.scheduler.step()
@@ -354,14 +381,21 @@ class Engine:
         self._publish(result.events)
         return True
 
+    def _admit(self, now: float) -> None:
+        """Admit waiting requests while the next one's group (one slot per choice) fits."""
+        while len(self._waiting):
+            if not self.scheduler.fits(self._waiting.peek_fair(self.scheduler.running)):
+                return  # it keeps its place: smaller requests do not overtake it
+            self.scheduler.admit(self._waiting.pop_fair(self.scheduler.running), now)
+
     def _fail_remaining(self, message: str) -> None:
         result = StepResult()
         self.scheduler.fail_all(message, result)
         with self._cond:
             now = time.perf_counter()
             while len(self._waiting):
-                req = self._waiting.pop_fair([])
-                result.events.append((req, req.final_event(FinishReason.ERROR, now, error=message)))
+                for req in self._waiting.pop_fair([]).group:
+                    result.events.append((req, req.final_event(FinishReason.ERROR, now, error=message)))
         self._publish(result.events)
 
     def _publish(self, events: list[tuple[Request, TokenEvent]]) -> None:

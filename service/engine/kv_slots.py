@@ -69,3 +69,11 @@ class SpanKVCache(KVCache):
         first = slots[0]
         consecutive = all(s == first + i for i, s in enumerate(slots))
         self.span.first_slot = first if consecutive else None
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Copy positions [0, length) of slot `src` into slot `dst` in every layer (a prompt
+        prefilled once, shared by its other choices). Both backends read these same tensors."""
+        for layer in self.layers:
+            assert isinstance(layer, SpanLayerCache)
+            layer.k[dst, :, :length].copy_(layer.k[src, :, :length])
+            layer.v[dst, :, :length].copy_(layer.v[src, :, :length])

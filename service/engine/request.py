@@ -38,6 +38,14 @@ class Request:
     scheduled_at: float | None = None
     prefill_done_at: float | None = None
     first_token_at: float | None = None
+    # --- one prompt, several choices (n / best_of): the leader prefills it once ---
+    leader: Request | None = None  # a follower waits (holding its slot) until this one's prefill
+    followers: list[Request] = field(default_factory=list)  # the leader's, until it shares
+
+    @property
+    def group(self) -> list[Request]:
+        """This request and the followers waiting for its prefill."""
+        return [self, *self.followers]
 
     def __post_init__(self) -> None:
         self.ctx = list(self.prompt_ids)

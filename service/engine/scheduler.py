@@ -61,6 +61,11 @@ class Scheduler:
         self.preemptions = 0
         self.generated_tokens = 0
         self.prefilled_tokens = 0
+        self.shared_prefill_tokens = 0  # prompt tokens a choice copied from its leader's slot
+
+    def fits(self, req: Request) -> bool:
+        """Whether `req` and its followers (one slot per choice) can all be admitted now."""
+        return len(self.free_slots) >= 1 + len(req.followers)
 
     @property
     def has_free_slot(self) -> bool:
@@ -71,6 +76,11 @@ class Scheduler:
         req.scheduled_at = now
         self.running.append(req)
         self.runner.reset_slot(req)
+        for follower in req.followers:  # each holds its slot, idle until the leader shares
+            follower.slot = self.free_slots.pop(0)
+            follower.scheduled_at = now
+            self.running.append(follower)
+            self.runner.reset_slot(follower)
 
     def release(self, req: Request) -> None:
         if req.slot >= 0:
@@ -79,6 +89,21 @@ class Scheduler:
             req.slot = -1
         if req in self.running:
             self.running.remove(req)
+        for follower in req.followers:  # the leader ends before sharing: each prefills alone
+            follower.leader = None
+        req.followers = []
+
+    def share_prefill(self, leader: Request) -> None:
+        """The leader's prompt is in its slot: copy it into each follower's slot, all but the last
+        position, which each follower feeds itself to compute its own first logits."""
+        length = leader.n_cached
+        for follower in leader.followers:
+            shared = max(0, length - 1)
+            self.runner.cache.copy_prefix(leader.slot, follower.slot, shared)
+            follower.n_cached = shared
+            follower.leader = None
+            self.shared_prefill_tokens += shared
+        leader.followers = []
 
     def preempt(self, req: Request) -> None:
         """Take `req`'s slot back for another client; its cache is forgotten, and when admitted
@@ -100,7 +125,9 @@ class Scheduler:
         greedy_client, n = held.most_common(1)[0]
         if n < 2:
             return None
-        return next(r for r in reversed(self.running) if r.client == greedy_client)
+        # Choices of one prompt stay together (a follower may still wait for its leader's cache).
+        return next((r for r in reversed(self.running) if r.client == greedy_client and not _grouped(r)),
+                    None)
 
     def reap(self, now: float, result: StepResult) -> None:
         """End running requests that were cancelled or ran out of time before this step."""
@@ -128,11 +155,13 @@ class Scheduler:
         in one forward instead of a few, and nobody's next token waits for it.
         """
         items: list[WorkItem] = []
-        decoding = any(req.pending == 1 for req in self.running)
+        decoding = any(req.pending == 1 and req.leader is None for req in self.running)
         budget = self.config.prefill_budget
         if not decoding:  # never below the normal budget, so the first chunk always fits
             budget = max(budget, self.config.idle_prefill_budget)
         for req in self.running:
+            if req.leader is not None:  # waits for its leader's prefill (share_prefill)
+                continue
             pending = req.pending
             if pending == 1:
                 items.append(WorkItem(req, req.ctx[-1:], req.n_cached, completes=True))
@@ -166,6 +195,8 @@ class Scheduler:
                 result.prefill_tokens += n
             if item.completes and req.prefill_done_at is None:
                 req.prefill_done_at = done
+                if req.followers:
+                    self.share_prefill(req)
         result.batch_size = len(items)
         self.prefilled_tokens += result.prefill_tokens
         if forward.logits is not None:
@@ -229,6 +260,10 @@ class Scheduler:
         return tuple(TopToken(i, self.tokenizer.id_to_piece(i), lp) for i, lp in zip(ids, lps, strict=True))
 
 
+def _grouped(req: Request) -> bool:
+    return req.leader is not None or bool(req.followers)
+
+
 def _logprob(sampled: SampleResult, j: int) -> float | None:
     params = sampled.reqs[j].params
     if sampled.logprobs is None or not (params.logprobs or params.top_n_tokens):
@@ -273,16 +308,19 @@ class WaitingQueue:
         self.items.appendleft(req)
         self.by_client[req.client] += 1
 
-    def pop_fair(self, running: list[Request]) -> Request:
-        """The next request to admit (see the class docstring)."""
+    def peek_fair(self, running: list[Request]) -> Request:
+        """The next request to admit (see the class docstring), left in the queue."""
         if len(self.by_client) == 1:
-            req = self.items.popleft()
-        else:
-            held = Counter(r.client for r in running)
-            last = self._last_admitted
-            # min keeps the first (oldest) of equal keys.
-            req = min(self.items, key=lambda r: (held[r.client], last.get(r.client, -1)))
-            self.items.remove(req)
+            return self.items[0]
+        held = Counter(r.client for r in running)
+        last = self._last_admitted
+        # min keeps the first (oldest) of equal keys.
+        return min(self.items, key=lambda r: (held[r.client], last.get(r.client, -1)))
+
+    def pop_fair(self, running: list[Request]) -> Request:
+        """Take the next request to admit (see the class docstring)."""
+        req = self.peek_fair(running)
+        self.items.remove(req)
         self._admissions += 1
         self._last_admitted[req.client] = self._admissions
         self._forget(req)
@@ -292,6 +330,8 @@ class WaitingQueue:
         """Remove cancelled and expired requests, returning their final events."""
         out: list[tuple[Request, TokenEvent]] = []
         for req in list(self.items):
+            if req.followers and self._reap_followers(req, now, out):
+                continue  # a follower took the cancelled leader's place
             if req.cancelled:
                 out.append((req, req.final_event(FinishReason.CANCELLED, now)))
             elif req.deadline is not None and now >= req.deadline:
@@ -301,3 +341,29 @@ class WaitingQueue:
                 continue
             self.remove(req)
         return out
+
+    def _reap_followers(self, leader: Request, now: float, out: list[tuple[Request, TokenEvent]]) -> bool:
+        """A waiting group's cancelled followers end now; if the leader itself was cancelled,
+        the first follower left takes its place in the queue, leading the rest. A passed
+        deadline (the same for the whole group) ends them all with the leader."""
+        expired = leader.deadline is not None and now >= leader.deadline
+        for follower in list(leader.followers):
+            if follower.cancelled or expired:
+                leader.followers.remove(follower)
+                if follower.cancelled:
+                    out.append((follower, follower.final_event(FinishReason.CANCELLED, now)))
+                else:
+                    msg = f"deadline of {follower.params.deadline_s}s passed before the request was scheduled"
+                    out.append((follower, follower.final_event(FinishReason.ERROR, now, error=msg)))
+        if leader.cancelled and leader.followers:
+            heir, *rest = leader.followers
+            leader.followers = []
+            heir.leader, heir.followers = None, rest
+            for follower in rest:
+                follower.leader = heir
+            self.items[self.items.index(leader)] = heir
+            self.by_client[heir.client] += 1  # the leader's removal below takes one off
+            out.append((leader, leader.final_event(FinishReason.CANCELLED, now)))
+            self._forget(leader)
+            return True
+        return False

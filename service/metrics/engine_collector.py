@@ -100,6 +100,8 @@ class EngineCollector(Collector):
                 values["nanoserve_engine_context_shifts"] = stats.extra["context_shifts_total"]
             if "preemptions_total" in stats.extra:
                 values["nanoserve_engine_preemptions"] = stats.extra["preemptions_total"]
+            if "prefill_tokens_shared_total" in stats.extra:
+                values["nanoserve_engine_prefill_tokens_shared"] = stats.extra["prefill_tokens_shared_total"]
         except Exception:  # missing scheduler gauges, never stale or made-up ones; the scrape still works
             log.exception("reading engine stats for /metrics failed")
         for family in families:
@@ -129,6 +131,10 @@ class EngineCollector(Collector):
         families.append(CounterMetricFamily(
             "nanoserve_engine_preemptions",
             "Sequences that gave their KV slot to a client holding none (re-prefilled when readmitted).",
+        ))
+        families.append(CounterMetricFamily(
+            "nanoserve_engine_prefill_tokens_shared",
+            "Prompt tokens not recomputed: copied from one choice's prefill to the others (n, best_of).",
         ))
         families.append(
             GaugeMetricFamily("nanoserve_model_info", "The served model; always 1.", labels=MODEL_INFO_LABELS)

@@ -23,11 +23,12 @@ from service.encoding import encode
 from service.engine.types import SamplingParams
 from service.errors import APIError
 from service.generation import (
+    Completed,
     Generation,
     check_limits,
-    collect,
     collect_all,
     sse_response,
+    start_choices,
     start_generation,
 )
 from service.merged_stream import MergedStream, merged_sse_response
@@ -40,6 +41,8 @@ from service.routes.openai_format import (
     chat_logprob,
     chat_response,
     completion_response,
+    summed_usage,
+    usage_of,
 )
 from service.schemas.common import ErrorResponse
 from service.schemas.openai import (
@@ -167,8 +170,11 @@ async def completions(body: CompletionRequest, request: Request, engine: EngineD
     top_n = body.logprobs or 0
     max_tokens = body.max_tokens if body.max_tokens is not None else min(COMPLETIONS_MAX_TOKENS,
                                                                           settings.max_new_tokens)
+    n, generated = body.choices(), body.best_of or body.choices()
+    _check_choices(engine, generated, "best_of" if body.best_of is not None else "n")
+    # best_of ranks by logprob: every generation reports its tokens' logprobs.
     params = _sampling_params(body, settings, max_tokens=max_tokens, extra_stop=[],
-                              logprobs=body.logprobs is not None, top_n=top_n)
+                              logprobs=body.logprobs is not None or generated > n, top_n=top_n)
     prompts = body.prompt_inputs()
     vocab = engine.tokenizer.vocab_size
     for prompt in prompts:
@@ -176,36 +182,59 @@ async def completions(body: CompletionRequest, request: Request, engine: EngineD
             raise APIError(422, f"prompt: token id {bad} is not in this model's vocabulary [0, {vocab})",
                            code="invalid_token_id", param="prompt")
     reply = Reply.new("cmpl", model, engine.tokenizer)
-    if body.stream and len(prompts) == 1:
+    if body.stream and len(prompts) == 1 and n == 1:
         gen = await start_generation(request, engine, prompts[0], params, param="prompt")
         render = CompletionChunks(reply, body.logprobs, body.include_usage())
         return _sse(gen, render, settings)
-    gens = await _start_all(request, engine, prompts, params)
-    if body.stream:  # one stream, each prompt's chunks under its choice's index
+    gens = await _start_all(request, engine, prompts, params, generated)
+    if body.stream:  # one stream; choice index = prompt * n + choice (OpenAI's order)
         renders = [CompletionChunks(reply, body.logprobs, False, index=i) for i in range(len(gens))]
         totals = CompletionChunks(reply, None, body.include_usage())
-        merged = MergedStream(gens, renders, totals.usage_chunk)
+        merged = MergedStream(gens, renders, lambda finals: totals.usage_chunk(finals, n))
         return merged_sse_response(merged, settings, trailer=[DONE])
+    dones = await collect_all(request, gens)
+    usage = summed_usage([usage_of(d.final) for d in dones], per_prompt=generated)
     results = []
-    for done in await collect_all(request, gens):
-        logprobs = None
-        if body.logprobs is not None:
-            builder = CompletionLogprobsBuilder(reply, top_n)
-            for event in done.tokens:
-                builder.add(event)
-            logprobs = builder.take()
-        results.append((done.text, done.final, logprobs))
-    return completion_response(reply, results)
+    for p in range(len(prompts)):
+        for done in best_of(dones[p * generated : (p + 1) * generated], n):
+            logprobs = None
+            if body.logprobs is not None:
+                builder = CompletionLogprobsBuilder(reply, top_n)
+                for event in done.tokens:
+                    builder.add(event)
+                logprobs = builder.take()
+            results.append((done.text, done.final, logprobs))
+    return completion_response(reply, results, usage)
+
+
+def best_of(dones: list[Completed], n: int) -> list[Completed]:
+    """The `n` generations with the highest mean token logprob (OpenAI: "the highest log
+    probability per token"), best first; all of them, in order, when there are only `n`."""
+    if len(dones) == n:
+        return dones
+
+    def mean_logprob(done: Completed) -> float:
+        lps = [e.logprob for e in done.tokens if e.logprob is not None]
+        return sum(lps) / len(lps) if lps else float("-inf")
+
+    return sorted(dones, key=mean_logprob, reverse=True)[:n]
+
+
+def _check_choices(engine: Any, count: int, name: str) -> None:
+    """Each choice holds a KV slot while it runs: more than the engine has cannot run."""
+    if count > 1 and count > engine.config.max_seqs:
+        raise APIError(422, f"{name} is {count}, more than this server's {engine.config.max_seqs} "
+                       "sequences at once (max_seqs)", code="too_many_choices", param=name)
 
 
 async def _start_all(request: Request, engine: Any, prompts: list[str | list[int]],
-                     params: SamplingParams) -> list[Generation]:
-    """One generation per prompt; if one is refused (a full queue, say), those already started
-    are cancelled and the whole request gets that refusal."""
+                     params: SamplingParams, n: int) -> list[Generation]:
+    """`n` generations per prompt (prefilled once each); if one is refused (a full queue, say),
+    those already started are cancelled and the whole request gets that refusal."""
     gens: list[Generation] = []
     try:
         for prompt in prompts:
-            gens.append(await start_generation(request, engine, prompt, params, param="prompt"))
+            gens += await start_choices(request, engine, prompt, params, n, param="prompt")
     except BaseException:
         for gen in gens:
             await gen.aclose()
@@ -227,20 +256,29 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
     except ChatTemplateError as e:
         raise APIError(422, str(e), code="invalid_message", param="messages") from None
     top_n = body.top_logprobs or 0
+    n = body.choices()
+    _check_choices(engine, n, "n")
     params = _sampling_params(body, settings, max_tokens=body.token_limit(), logprobs=body.logprobs,
                               top_n=top_n, extra_stop=template_stop_sequences(template))
     engine.check_admission(client_id(request))  # before the conversation's encodings
     fitted, dropped = await _fit_window(request, engine, settings, template, messages, prompt,
                                         params.max_new_tokens)
     headers = {DROPPED_HEADER: str(dropped)} if dropped else {}
-    gen = await start_generation(request, engine, fitted, params, param="messages")
+    gens = await start_choices(request, engine, fitted, params, n, param="messages")
     reply = Reply.new("chatcmpl", model, engine.tokenizer)
-    if body.stream:
+    if body.stream and n == 1:
         render = ChatChunks(reply, body.logprobs, body.include_usage())
-        return _sse(gen, render, settings, headers)
+        return _sse(gens[0], render, settings, headers)
+    if body.stream:  # each choice's chunks under its index
+        renders = [ChatChunks(reply, body.logprobs, False, index=i) for i in range(n)]
+        totals = ChatChunks(reply, False, body.include_usage())
+        merged = MergedStream(gens, renders, lambda finals: totals.usage_chunk(finals, n))
+        return merged_sse_response(merged, settings, trailer=[DONE], headers=headers)
     response.headers.update(headers)
-    done = await collect(request, gen)
-    logprobs: list[TokenLogprob] | None = None
-    if body.logprobs:
-        logprobs = [entry for e in done.tokens if (entry := chat_logprob(reply, e)) is not None]
-    return chat_response(reply, done.text, done.final, logprobs)
+    results = []
+    for done in await collect_all(request, gens):
+        logprobs: list[TokenLogprob] | None = None
+        if body.logprobs:
+            logprobs = [entry for e in done.tokens if (entry := chat_logprob(reply, e)) is not None]
+        results.append((done.text, done.final, logprobs))
+    return chat_response(reply, results)

@@ -113,10 +113,11 @@ class CompletionLogprobsBuilder:
 
 
 def completion_response(
-    reply: Reply, results: list[tuple[str, TokenEvent, CompletionLogprobs | None]]
+    reply: Reply, results: list[tuple[str, TokenEvent, CompletionLogprobs | None]],
+    usage: Usage | None = None,
 ) -> CompletionResponse:
-    """One choice per prompt's (text, last event, logprobs), `index` in the order given; usage
-    summed over them."""
+    """One choice per (text, last event, logprobs), `index` in the order given; usage summed over
+    them unless given (n > 1 and best_of count each prompt once)."""
     choices, usages = [], []
     for i, (text, last, logprobs) in enumerate(results):
         assert last.finish_reason is not None
@@ -124,23 +125,29 @@ def completion_response(
                                         finish_reason=finish_reason(last.finish_reason)))
         usages.append(usage_of(last))
     return CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=choices,
-                              usage=summed_usage(usages))
+                              usage=usage or summed_usage(usages))
 
 
-def summed_usage(usages: list[Usage]) -> Usage:
-    return Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
-                 completion_tokens=sum(u.completion_tokens for u in usages),
-                 total_tokens=sum(u.total_tokens for u in usages))
+def summed_usage(usages: list[Usage], per_prompt: int = 1) -> Usage:
+    """Usage of several generations; `per_prompt` of them share each prompt, which counts once
+    (as OpenAI counts n > 1: the prompt once, every choice's tokens)."""
+    prompt = sum(u.prompt_tokens for u in usages) // per_prompt
+    completion = sum(u.completion_tokens for u in usages)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def chat_response(reply: Reply, text: str, last: TokenEvent,
-                  logprobs: list[TokenLogprob] | None) -> ChatCompletionResponse:
-    assert last.finish_reason is not None
-    choice = ChatChoice(message=AssistantMessage(content=text),
-                        logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
-                        finish_reason=finish_reason(last.finish_reason))
-    return ChatCompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=[choice],
-                                  usage=usage_of(last))
+def chat_response(reply: Reply, results: list[tuple[str, TokenEvent, list[TokenLogprob] | None]]
+                  ) -> ChatCompletionResponse:
+    """One choice per (text, last event, logprobs) of one prompt (n), the prompt counted once."""
+    choices = []
+    for i, (text, last, logprobs) in enumerate(results):
+        assert last.finish_reason is not None
+        choices.append(ChatChoice(index=i, message=AssistantMessage(content=text),
+                                  logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
+                                  finish_reason=finish_reason(last.finish_reason)))
+    usage = summed_usage([usage_of(last) for _, last, _ in results], per_prompt=len(results))
+    return ChatCompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=choices,
+                                  usage=usage)
 
 
 # ------------------------------------------------------------------ streamed chunks
@@ -152,6 +159,11 @@ class _Chunks:
     def __init__(self, reply: Reply, include_usage: bool) -> None:
         self.reply = reply
         self.include_usage = include_usage
+
+    def usage_chunk(self, finals: list[TokenEvent], per_prompt: int = 1) -> Iterator[bytes]:
+        """The usage chunk of several streams (prompts, choices), summed (when asked for)."""
+        if self.include_usage:
+            yield self._envelope([], summed_usage([usage_of(e) for e in finals], per_prompt))
 
     def _envelope(self, choices: list[Any], usage: Usage | None = None) -> bytes:
         raise NotImplementedError
@@ -188,11 +200,6 @@ class CompletionChunks(_Chunks):
     def _finish_choice(self, reason: FinishName) -> CompletionChoice:
         return CompletionChoice(index=self.index, text="", finish_reason=reason)
 
-    def usage_chunk(self, finals: list[TokenEvent]) -> Iterator[bytes]:
-        """The usage chunk of several prompts' streams, summed (when asked for)."""
-        if self.include_usage:
-            yield self._envelope([], summed_usage([usage_of(e) for e in finals]))
-
     def _content(self, event: TokenEvent) -> Iterator[bytes]:
         logprobs = None
         if self.logprobs is not None and event.token_id is not None:
@@ -207,12 +214,13 @@ class CompletionChunks(_Chunks):
 class ChatChunks(_Chunks):
     """/v1/chat/completions: the assistant role first, then a chunk per content delta."""
 
-    def __init__(self, reply: Reply, logprobs: bool, include_usage: bool) -> None:
+    def __init__(self, reply: Reply, logprobs: bool, include_usage: bool, index: int = 0) -> None:
         super().__init__(reply, include_usage)
         self.logprobs = logprobs
+        self.index = index  # the choice, when n > 1
         self.started = False
         self.content_chunk = EventTemplate(
-            lambda text: self._envelope([ChatChunkChoice(delta=ChatDelta(content=text))]))
+            lambda text: self._envelope([ChatChunkChoice(index=index, delta=ChatDelta(content=text))]))
 
     def _envelope(self, choices: list[Any], usage: Usage | None = None) -> bytes:
         r = self.reply
@@ -220,15 +228,16 @@ class ChatChunks(_Chunks):
                                              usage=usage))
 
     def _finish_choice(self, reason: FinishName) -> ChatChunkChoice:
-        return ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)
+        return ChatChunkChoice(index=self.index, delta=ChatDelta(), finish_reason=reason)
 
     def _content(self, event: TokenEvent) -> Iterator[bytes]:
         if not self.started:  # OpenAI opens every stream with the assistant role and empty content
             self.started = True
-            yield self._envelope([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+            role = ChatDelta(role="assistant", content="")
+            yield self._envelope([ChatChunkChoice(index=self.index, delta=role)])
         entry = chat_logprob(self.reply, event) if self.logprobs else None
         if entry is not None:
-            yield self._envelope([ChatChunkChoice(delta=ChatDelta(content=event.text),
+            yield self._envelope([ChatChunkChoice(index=self.index, delta=ChatDelta(content=event.text),
                                                   logprobs=ChatLogprobs(content=[entry]))])
         elif event.text:
             yield self.content_chunk(event.text)

@@ -17,10 +17,19 @@ from service.deps import EngineDep, SettingsDep, server_version
 from service.encoding import check_prompt_chars, encode_off_loop, prompt_too_long
 from service.engine.types import SamplingParams, TokenEvent, TopToken
 from service.error_dialects import tgi_error_body
-from service.generation import Completed, check_limits, collect, sse_response, start_generation
+from service.errors import APIError
+from service.generation import (
+    Completed,
+    check_limits,
+    collect_all,
+    sse_response,
+    start_choices,
+    start_generation,
+)
 from service.schemas.common import error_responses
 from service.schemas.openai import MAX_PROMPTS
 from service.schemas.tgi import (
+    BestOfSequence,
     Details,
     GenerateParameters,
     GenerateRequest,
@@ -117,31 +126,88 @@ def _top(tops: Iterable[TopToken], special_id: int | None) -> list[Token]:
     return [Token(id=t.id, text=t.text, logprob=t.logprob, special=t.id == special_id) for t in tops]
 
 
+MAX_BEST_OF = 16  # TGI's --max-best-of defaults to 2; each sequence holds one of max_seqs slots
+
+
+def max_best_of(settings: Settings) -> int:
+    return min(MAX_BEST_OF, settings.max_seqs)
+
+
+def check_best_of(p: GenerateParameters, settings: Settings, streaming: bool) -> int:
+    """The number of sequences to generate, after TGI's rules (router/src/validation.rs), in its
+    words: best_of > 1 needs sampling asked for, no seed, and no streaming."""
+    best_of = p.best_of or 1
+    if best_of == 1:
+        return 1
+    cap = max_best_of(settings)
+
+    def refuse(message: str) -> APIError:
+        return APIError(422, message, code="invalid_best_of", param="parameters.best_of")
+
+    if best_of > cap:
+        raise refuse(f"`best_of` must be > 0 and <= {cap}. Given: {best_of}")
+    asked = p.do_sample or any(v is not None for v in (p.temperature, p.top_k, p.top_p, p.typical_p))
+    if not asked:
+        raise refuse("you must use sampling when `best_of` is > 1")
+    if p.seed is not None:
+        raise refuse("`seed` must not be set when `best_of` > 1")
+    if streaming:
+        raise refuse("`best_of` != 1 is not supported when streaming tokens")
+    return best_of
+
+
+def best_sequence(dones: list[Completed]) -> int:
+    """TGI's pick (router/src/infer): the highest mean token logprob, the first of equals."""
+
+    def mean(done: Completed) -> float:
+        lps = [e.logprob for e in done.tokens if e.logprob is not None]
+        return sum(lps) / len(lps) if lps else float("-inf")
+
+    scores = [mean(d) for d in dones]
+    return scores.index(max(scores))
+
+
 async def _generate_json(request: Request, engine: EngineDep, body: GenerateRequest) -> GenerateResponse:
-    params = sampling_params(body.parameters, request.app.state.settings)
-    gen = await start_generation(request, engine, body.inputs, params)
-    done: Completed = await collect(request, gen)
+    settings: Settings = request.app.state.settings
+    p = body.parameters
+    best_of = check_best_of(p, settings, streaming=False)
+    params = sampling_params(p, settings)
+    gens = await start_choices(request, engine, body.inputs, params, best_of)
+    dones = await collect_all(request, gens)
+    best = best_sequence(dones)
+    done = dones[best]
+    prefix = body.inputs if p.return_full_text else ""
+    if not p.details:
+        return GenerateResponse(generated_text=prefix + done.text)
+    usage = done.final.usage
+    assert usage is not None
+    others = [_sequence(engine, p, prefix, d) for i, d in enumerate(dones) if i != best]
+    seq = _sequence(engine, p, prefix, done)
+    details = Details(
+        finish_reason=seq.finish_reason, generated_tokens=seq.generated_tokens,
+        prompt_tokens=usage.prompt_tokens, cropped_tokens=usage.cropped_tokens, seed=seq.seed,
+        tokens=seq.tokens, top_tokens=seq.top_tokens, best_of_sequences=others if best_of > 1 else None,
+    )
+    return GenerateResponse(generated_text=seq.generated_text, details=details)
+
+
+def _sequence(engine: EngineDep, p: GenerateParameters, prefix: str, done: Completed) -> BestOfSequence:
     final, usage = done.final, done.final.usage
     assert final.finish_reason is not None and usage is not None
-    text = (body.inputs if body.parameters.return_full_text else "") + done.text
-    if not body.parameters.details:
-        return GenerateResponse(generated_text=text)
     eos = engine.tokenizer.eos_id
-    with_top = bool(body.parameters.top_n_tokens)
-    details = Details(
-        finish_reason=final.finish_reason.value,  # type: ignore[arg-type]  # ERROR/CANCELLED raised above
+    return BestOfSequence(
+        generated_text=prefix + done.text,
+        finish_reason=final.finish_reason.value,  # type: ignore[arg-type]  # ERROR/CANCELLED raised
         generated_tokens=usage.generated_tokens,
-        prompt_tokens=usage.prompt_tokens,
-        cropped_tokens=usage.cropped_tokens,
-        seed=usage.seed if body.parameters.sampling() else None,  # TGI: no seed for greedy
+        seed=usage.seed if p.sampling() else None,  # TGI: no seed for greedy
         tokens=[_token(e) for e in done.tokens],
-        top_tokens=[_top(e.top_tokens, eos) for e in done.tokens] if with_top else None,
+        top_tokens=[_top(e.top_tokens, eos) for e in done.tokens] if p.top_n_tokens else None,
     )
-    return GenerateResponse(generated_text=text, details=details)
 
 
 async def _generate_sse(request: Request, engine: EngineDep, body: GenerateRequest) -> Response:
     settings: Settings = request.app.state.settings
+    check_best_of(body.parameters, settings, streaming=True)
     params = sampling_params(body.parameters, settings)
     gen = await start_generation(request, engine, body.inputs, params)
     prefix = body.inputs if body.parameters.return_full_text else ""
@@ -263,6 +329,7 @@ async def info(engine: EngineDep, settings: SettingsDep) -> Info:
         model_device_type=str(report.get("device", settings.device)),
         max_concurrent_requests=settings.max_seqs,
         max_waiting_requests=settings.max_queue,
+        max_best_of=max_best_of(settings),
         max_stop_sequences=settings.max_stop_sequences,
         max_input_tokens=max_input,
         max_total_tokens=min(window, settings.max_prompt_tokens + settings.max_new_tokens),

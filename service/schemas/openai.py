@@ -25,6 +25,7 @@ from pydantic_core import PydanticCustomError
 
 from service.schemas.common import MAX_COUNT
 
+MAX_CHOICES = 16  # n and best_of (also at most the engine's slots: each choice holds one)
 MAX_PROMPTS = 16  # prompts in one completions request (each is a request of the engine's)
 PromptField = str | list[str] | list[int] | list[list[int]]
 
@@ -101,19 +102,17 @@ class GenerationRequest(BaseModel):
         None, max_length=16, description="Accepted and ignored (it labels stored completions; none are)."
     )
     service_tier: Literal["auto", "default"] | None = Field(None, description="One tier: auto/default only.")
-    # Declared only to be refused with a clear message (see the validators).
-    n: int = Field(1, ge=1, le=MAX_COUNT, description="Only 1 is supported.")
+    n: int = Field(
+        1, ge=1, le=MAX_CHOICES, description=f"Choices to generate (1 to {MAX_CHOICES}, and at most the "
+        "server's max_seqs); the prompt is prefilled once. Choice i samples with seed + i."
+    )
     logit_bias: dict[str, float] | None = Field(
         None, description="Token id (as a string) -> bias in [-100, 100], added to the logits before "
         "sampling: -100 all but bans a token, 100 all but forces it."
     )
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise _unsupported("n", f"got {v}; only one choice per request (n = 1). Send several requests.")
-        return v
+    def choices(self) -> int:
+        return self.n
 
     @field_validator("store")
     @classmethod
@@ -177,7 +176,10 @@ class CompletionRequest(GenerationRequest):
     logprobs: int | None = Field(None, ge=0, le=20, description="Also return this many top alternatives.")
     echo: bool = Field(False, description="Not supported (false only).")
     suffix: str | None = Field(None, description="Not supported (needs a fill-in-the-middle model).")
-    best_of: int | None = Field(None, ge=1, le=MAX_COUNT, description="Not supported (1 only).")
+    best_of: int | None = Field(
+        None, ge=1, le=MAX_CHOICES, description="Generate this many (at least n; no streaming) and return "
+        "the n with the highest mean token logprob (OpenAI's 'log probability per token')."
+    )
 
     @field_validator("prompt")
     @classmethod
@@ -208,12 +210,14 @@ class CompletionRequest(GenerationRequest):
             raise _unsupported("suffix", "this model has no fill-in-the-middle training")
         return v
 
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise _unsupported("best_of", f"got {v}; only 1")
-        return v
+    @model_validator(mode="after")
+    def _best_of_rules(self) -> CompletionRequest:
+        # OpenAI's rules: best_of >= n, and best_of > n cannot stream (the best are known at the end).
+        if self.best_of is not None and self.best_of < self.choices():
+            raise _invalid(f"best_of ({self.best_of}) must be at least n ({self.choices()})")
+        if self.stream and self.best_of is not None and self.best_of > self.choices():
+            raise _invalid("best_of greater than n cannot be streamed")
+        return self
 
     def prompt_inputs(self) -> list[str | list[int]]:
         """Each prompt as `Engine.generate` takes it: text or token ids."""

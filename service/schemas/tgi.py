@@ -67,7 +67,9 @@ class GenerateParameters(BaseModel):
     decoder_input_details: bool = Field(default=False, description="Not supported (false only).")
     watermark: bool = Field(default=False, description="Not supported (false only).")
     best_of: int | None = Field(
-        default=None, ge=1, le=MAX_COUNT, description="Not supported (1 or null only)."
+        default=None, ge=1, le=MAX_COUNT, description="Generate this many sequences (at most /info's "
+        "max_best_of; sampling only, no seed, no streaming: TGI's rules) and answer the one with the "
+        "highest mean token logprob; the others are in details.best_of_sequences."
     )
     grammar: dict[str, Any] | None = Field(default=None, description="Not supported (null only).")
     adapter_id: str | None = Field(default=None, description="Not supported (null only).")
@@ -91,13 +93,6 @@ class GenerateParameters(BaseModel):
     def _false_only(cls, value: bool, info: ValidationInfo) -> bool:
         if value:
             raise _unsupported(str(info.field_name), "only false is accepted")
-        return value
-
-    @field_validator("best_of")
-    @classmethod
-    def _one_only(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise _unsupported("best_of", f"got {value}; only one sequence per request")
         return value
 
     @field_validator("grammar", "adapter_id")
@@ -141,6 +136,18 @@ class Token(BaseModel):
     special: bool
 
 
+class BestOfSequence(BaseModel):
+    """One of the sequences best_of generated and did not answer with (TGI's shape)."""
+
+    generated_text: str
+    finish_reason: FinishReasonName
+    generated_tokens: int
+    seed: int | None
+    prefill: list[Token] = Field(default_factory=list)
+    tokens: list[Token]
+    top_tokens: list[list[Token]] | None = None
+
+
 class Details(BaseModel):
     finish_reason: FinishReasonName
     generated_tokens: int
@@ -150,7 +157,7 @@ class Details(BaseModel):
     prefill: list[Token] = Field(default_factory=list, description="Always empty (decoder_input_details).")
     tokens: list[Token]
     top_tokens: list[list[Token]] | None = None
-    best_of_sequences: None = None
+    best_of_sequences: list[BestOfSequence] | None = None
 
 
 class GenerateResponse(BaseModel):
@@ -215,7 +222,7 @@ class Info(BaseModel):
     model_pipeline_tag: str | None = "text-generation"
     max_concurrent_requests: int
     max_waiting_requests: int
-    max_best_of: int = 1
+    max_best_of: int = Field(description="The most sequences best_of may ask for: min(16, max_seqs).")
     max_stop_sequences: int
     max_input_tokens: int = Field(description="The most prompt tokens the model reads: min(the "
                                   "prompt cap, window - 1); a longer prompt is cropped or refused.")

@@ -77,7 +77,7 @@ async def test_the_native_examples_answer_as_the_doc_shows() -> None:
 async def test_the_openai_refusal_shown_is_the_one_given() -> None:
     shown = json.loads(blocks(OPENAI, "json")[0])
     async with asgi_client(CKPT) as client:
-        body = {"model": "shakespeare-char", "prompt": "ROMEO:", "n": 2}
+        body = {"model": "shakespeare-char", "prompt": "ROMEO:", "suffix": "x"}
         r = await client.post("/v1/completions", json=body)
         assert r.status_code == 400 and r.json() == shown
 

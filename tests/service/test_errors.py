@@ -207,6 +207,8 @@ class FakeEngine:
     async def generate(self, *args: Any, **kwargs: Any) -> Any:
         raise self.error
 
+    generate_choices = generate
+
 
 @pytest.mark.parametrize(
     ("error", "status", "code", "error_type", "v1_status"),

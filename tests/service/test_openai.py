@@ -213,7 +213,6 @@ def test_logprobs(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "field", "says"), [
-    ({"n": 2}, "n", "only one choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools", "tool"),
     ({"response_format": {"type": "json_object"}}, "response_format", "JSON mode"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate", "Extra inputs"),

@@ -62,7 +62,6 @@ def test_neutral_values_some_clients_always_send_are_accepted() -> None:
 
 
 @pytest.mark.parametrize(("body", "field", "says"), [
-    ({**CHAT, "n": 2}, "n", "only one choice"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools", "tool and function calling"),
     ({**CHAT, "tool_choice": "required"}, "tool_choice", "not supported"),
     ({**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
@@ -100,7 +99,6 @@ def test_chat_refusals_name_the_field(body: dict, field: str, says: str) -> None
     ({"prompt": [[1], []]}, "prompt", "must not be empty"),
     ({"prompt": []}, "prompt", "empty"),
     ({"prompt": "x", "echo": True}, "echo", "not supported"),
-    ({"prompt": "x", "best_of": 3}, "best_of", "not supported"),
     ({"prompt": "x", "suffix": "y"}, "suffix", "fill-in-the-middle"),
     ({"prompt": "x", "logprobs": True}, "logprobs", "valid integer"),
     ({}, "prompt", "Field required"),
