@@ -22,6 +22,7 @@ from model.tokenizer import Tokenizer, TokenizerError
 from service.engine.backends.factory import choose_backend, native_unavailable
 from service.engine.config import EngineConfig
 from service.engine.dtype_probe import SLOW_FACTOR, cpu_matmul_slowdown
+from service.engine.grammar import Grammars
 from service.engine.ids import new_id, new_seed
 from service.engine.inbox import Inbox
 from service.engine.request import Request
@@ -77,6 +78,7 @@ class Engine:
         self.backend, self.backend_reason = choose_backend(self.model, config, self.window, cpu_threads)
         log.info("engine: backend %s, kernels %s (%s)", self.backend.name, self.backend.kernels(),
                  self.backend_reason)
+        self.grammars = Grammars(self.tokenizer)
         self.runner = ModelRunner(
             self.backend, checkpoint.config.vocab_size, usable_vocab=self.tokenizer.vocab_size,
             deterministic=config.deterministic, cpu_threads=cpu_threads,
@@ -216,6 +218,9 @@ class Engine:
         vocab = self.tokenizer.vocab_size
         validate_params(params, vocab)
         params = effective_params(params, vocab)
+        constraint = None
+        if params.grammar is not None:  # compiled here: a bad or unwritable grammar is refused now
+            constraint = self.grammars.constraint(params.grammar, params.grammar_param)
         if isinstance(prompt, str):
             ids = self.encode(prompt)
         else:
@@ -237,6 +242,7 @@ class Engine:
             loop=loop,
             queue=Inbox(loop, stream_interval, _ends_stream),
             client=client,
+            constraint=constraint,
         )
         with self._cond:
             self._check_admission(client)  # again, under the lock: others may have queued since

@@ -1,0 +1,160 @@
+"""Structured output: a request's grammar (JSON Schema or regex) as a token mask, via llguidance.
+
+`Grammars` compiles a request's grammar against the model's tokenizer when the request is
+submitted, so an invalid schema or regex, or one this vocabulary cannot start to write, is refused
+before any work. Each constrained request carries a `Constraint` (one llguidance matcher); the
+runner asks `GrammarMask` for the masks of the constrained rows of a step only and sets their
+disallowed tokens to -inf in the logits, which both backends' samplers (and the greedy pick) read.
+
+llguidance was chosen over xgrammar and outlines-core: it compiles a JSON schema against GPT-2's
+vocabulary in under a millisecond (xgrammar ~9 ms, outlines-core ~30 ms, both measured here), its
+per-step mask is ~20-100 us a row, it ships as one abi3 wheel without further native dependencies,
+and vLLM, SGLang and llama.cpp use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance as llg
+import torch
+
+from model.tokenizer import BPETokenizer, Tokenizer
+from service.engine.types import GrammarSpec, InvalidRequest
+
+MAX_GRAMMAR_CHARS = 64 * 1024  # a schema or regex longer than this is refused
+
+
+@dataclass(eq=False)
+class Constraint:
+    """One request's grammar state: advanced with each accepted token on the engine thread."""
+
+    matcher: llg.LLMatcher
+    n_vocab: int  # the width of the matcher's mask (the tokenizer's vocabulary)
+
+    def accept(self, token: int) -> None:
+        self.matcher.consume_token(token)
+
+    @property
+    def complete(self) -> bool:
+        """The grammar allows nothing more but the end of the text."""
+        return bool(self.matcher.is_stopped())
+
+
+class _CharVocab:
+    """llguidance's view of a character vocabulary (each token is its own text)."""
+
+    def __init__(self, tokenizer: Tokenizer, eos: int) -> None:
+        pieces = tokenizer.pieces or ()
+        self.tokens = [p.encode("utf-8") for p in pieces] + [b"<|eos|>"] * (eos - len(pieces) + 1)
+        self.eos_token_id = eos
+        self.bos_token_id = None
+        self.special_token_ids = [eos]
+        self._stoi = {p: i for i, p in enumerate(pieces)}
+
+    def __call__(self, text: str) -> list[int]:
+        return [self._stoi[ch] for ch in text if ch in self._stoi]
+
+
+class Grammars:
+    """Compiles requests' grammars against one tokenizer (its llguidance view is built once)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._ll: llg.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def _lltokenizer(self) -> llg.LLTokenizer:
+        with self._lock:  # ~0.3 s for GPT-2's vocabulary: built on the first constrained request
+            if self._ll is None:
+                tok = self.tokenizer
+                if isinstance(tok, BPETokenizer):
+                    self._ll = llg.LLTokenizer(json.dumps(tok.to_json()), eos_token=tok.eos_id)
+                elif tok.pieces is not None:
+                    # A vocabulary without an end-of-text token gets one past its ids, never sampled.
+                    eos = tok.eos_id if tok.eos_id is not None else tok.vocab_size
+                    self._ll = llg.LLTokenizer(llg.TokenizerWrapper(_CharVocab(tok, eos)))
+                else:
+                    raise InvalidRequest(f"this model's {tok.kind} tokenizer cannot be constrained by a "
+                                         "grammar (its tokens are not pieces of the text)")
+            return self._ll
+
+    def constraint(self, spec: GrammarSpec, param: str) -> Constraint:
+        """A fresh matcher for `spec`; raises InvalidRequest naming `param` when the grammar is
+        invalid or this vocabulary cannot begin to write it."""
+        if len(spec.value) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequest(f"{param}: the grammar has {len(spec.value)} characters, more than "
+                                 f"{MAX_GRAMMAR_CHARS}", param=param)
+        try:
+            if spec.kind == "regex":
+                grammar = llg.LLMatcher.grammar_from_regex(spec.value)
+            else:
+                grammar = llg.LLMatcher.grammar_from_json_schema(spec.value)
+        except Exception as e:  # the library reports a bad schema or regex as ValueError or its own
+            raise InvalidRequest(f"{param}: invalid {_kind_name(spec)}: {e}", param=param) from None
+        ll = self._lltokenizer()
+        matcher = llg.LLMatcher(ll, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(f"{param}: invalid {_kind_name(spec)}: {matcher.get_error()}", param=param)
+        constraint = Constraint(matcher, ll.vocab_size)
+        self._check_expressible(constraint, param)
+        return constraint
+
+    def _check_expressible(self, c: Constraint, param: str) -> None:
+        """Refuse a grammar whose first character no token of this vocabulary can write (a
+        character model without `{` asked for JSON). Whitespace-only tokens do not count: a JSON
+        grammar allows them before its first bracket, and they lead nowhere by themselves."""
+        if c.matcher.is_accepting():
+            return
+        allowed = _unpack(torch.frombuffer(bytearray(c.matcher.compute_bitmask()), dtype=torch.int32)
+                          .view(1, -1), c.n_vocab)[0]
+        usable = self.tokenizer.vocab_size
+        for token in allowed[:usable].nonzero().flatten().tolist():
+            if token != self.tokenizer.eos_id and self.tokenizer.decode([token]).strip():
+                return
+        raise InvalidRequest(f"{param}: this model's vocabulary cannot express the grammar: no token "
+                             "can begin the required output", param=param)
+
+
+def _kind_name(spec: GrammarSpec) -> str:
+    return "regular expression" if spec.kind == "regex" else "JSON schema"
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def _unpack(words: torch.Tensor, n_vocab: int) -> torch.Tensor:
+    """(N, W) int32 bitmask words -> (N, n_vocab) bool, token t allowed iff bit t is set."""
+    bits = (words.unsqueeze(-1) >> _SHIFTS) & 1  # (N, W, 32)
+    return bits.view(words.shape[0], -1)[:, :n_vocab].bool()
+
+
+class GrammarMask:
+    """Masks the constrained rows of a step's logits; unconstrained rows cost nothing."""
+
+    def __init__(self) -> None:
+        self._executor: Any = None
+        self._buf = torch.zeros((0, 0), dtype=torch.int32)
+
+    def apply(self, rows: list[tuple[int, Constraint]], logits: torch.Tensor) -> None:
+        """rows: (row of logits, its constraint). Disallowed tokens become -inf in place."""
+        n_vocab = rows[0][1].n_vocab
+        width = (n_vocab + 31) // 32
+        if self._buf.shape[0] < len(rows) or self._buf.shape[1] != width:
+            self._buf = torch.zeros((max(len(rows), 8), width), dtype=torch.int32)
+        buf = self._buf[: len(rows)]
+        if len(rows) == 1:
+            rows[0][1].matcher.unsafe_compute_mask_ptr(buf.data_ptr(), width * 4)
+        else:  # llguidance fills the rows on its own threads, without the GIL
+            if self._executor is None:
+                self._executor = llg.LLExecutor(max(1, min(8, os.cpu_count() or 1)))
+            self._executor.unsafe_compute_mask_ptr(
+                [(c.matcher, k) for k, (_, c) in enumerate(rows)], buf.data_ptr(), width * 4, len(rows))
+        allowed = _unpack(buf, n_vocab).to(logits.device)
+        idx = torch.tensor([j for j, _ in rows], device=logits.device)
+        cols = min(n_vocab, logits.shape[1])
+        logits[idx, :cols] = logits[idx, :cols].masked_fill(~allowed[:, :cols], float("-inf"))
