@@ -27,6 +27,10 @@ from model.tokenizer import BPETokenizer, Tokenizer
 from service.engine.types import GrammarSpec, InvalidRequest
 
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema or regex longer than this is refused
+# JSON is written in one layout, `{"a": 1, "b": [2, 3]}`: with free whitespace a model may pad
+# forever (every step could pick a space) and never close the object.
+JSON_LAYOUT: llg.JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
+                                       "key_separator": ": "}
 
 
 @dataclass(eq=False)
@@ -56,7 +60,9 @@ class _CharVocab:
         self.special_token_ids = [eos]
         self._stoi = {p: i for i, p in enumerate(pieces)}
 
-    def __call__(self, text: str) -> list[int]:
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):  # llguidance passes bytes when the callable takes them
+            text = text.decode("utf-8", errors="replace")
         return [self._stoi[ch] for ch in text if ch in self._stoi]
 
 
@@ -93,7 +99,7 @@ class Grammars:
             if spec.kind == "regex":
                 grammar = llg.LLMatcher.grammar_from_regex(spec.value)
             else:
-                grammar = llg.LLMatcher.grammar_from_json_schema(spec.value)
+                grammar = llg.LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_LAYOUT)
         except Exception as e:  # the library reports a bad schema or regex as ValueError or its own
             raise InvalidRequest(f"{param}: invalid {_kind_name(spec)}: {e}", param=param) from None
         ll = self._lltokenizer()
