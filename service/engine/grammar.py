@@ -18,7 +18,7 @@ import json
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
 import torch
@@ -26,10 +26,13 @@ import torch
 from model.tokenizer import BPETokenizer, Tokenizer
 from service.engine.types import GrammarSpec, InvalidRequest
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema or regex longer than this is refused
 # JSON is written in one layout, `{"a": 1, "b": [2, 3]}`: with free whitespace a model may pad
 # forever (every step could pick a space) and never close the object.
-JSON_LAYOUT: llg.JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
+JSON_LAYOUT: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
                                        "key_separator": ": "}
 
 
