@@ -78,7 +78,7 @@ class Grammars:
         self._ll: llg.LLTokenizer | None = None
         self._lock = threading.Lock()
 
-    def _lltokenizer(self) -> llg.LLTokenizer:
+    def _lltokenizer(self, param: str) -> llg.LLTokenizer:
         with self._lock:  # ~0.3 s for GPT-2's vocabulary: built on the first constrained request
             if self._ll is None:
                 tok = self.tokenizer
@@ -89,8 +89,8 @@ class Grammars:
                     eos = tok.eos_id if tok.eos_id is not None else tok.vocab_size
                     self._ll = llg.LLTokenizer(llg.TokenizerWrapper(_CharVocab(tok, eos)))
                 else:
-                    raise InvalidRequest(f"this model's {tok.kind} tokenizer cannot be constrained by a "
-                                         "grammar (its tokens are not pieces of the text)")
+                    raise InvalidRequest(f"{param}: this model's {tok.kind} tokenizer cannot be constrained "
+                                         "by a grammar (its tokens are not pieces of the text)", param=param)
             return self._ll
 
     def constraint(self, spec: GrammarSpec, param: str) -> Constraint:
@@ -106,7 +106,7 @@ class Grammars:
                 grammar = llg.LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_LAYOUT)
         except Exception as e:  # the library reports a bad schema or regex as ValueError or its own
             raise InvalidRequest(f"{param}: invalid {_kind_name(spec)}: {e}", param=param) from None
-        ll = self._lltokenizer()
+        ll = self._lltokenizer(param)
         matcher = llg.LLMatcher(ll, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequest(f"{param}: invalid {_kind_name(spec)}: {matcher.get_error()}", param=param)
