@@ -122,6 +122,23 @@ def test_tgi_grammar_json_and_regex(server: ServerProcess) -> None:
         assert re.fullmatch(DATE, r.json()["generated_text"]), r.json()
 
 
+def test_tgi_stream_and_json_schema_shape(server: ServerProcess) -> None:
+    """generate_stream honours the grammar too; TGI's json_schema shape and a schema sent as text."""
+    body = {"inputs": "JSON:", "parameters": {"max_new_tokens": 120, "do_sample": True, "seed": 5,
+                                              "grammar": {"type": "json_schema",
+                                                          "value": {"name": "p", "schema": SCHEMA}}}}
+    with httpx.stream("POST", server.base_url + "/generate_stream", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+    streamed = "".join(e["token"]["text"] for e in events)
+    jsonschema.validate(json.loads(streamed), SCHEMA)
+    assert events[-1]["generated_text"] == streamed
+    body["parameters"]["grammar"] = {"type": "json", "value": json.dumps(SCHEMA)}
+    r = httpx.post(server.base_url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["generated_text"]), SCHEMA)
+
+
 @pytest.mark.parametrize(("body", "needle"), [
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
      "invalid JSON schema"),

@@ -61,3 +61,13 @@ async def test_bad_grammars_are_refused_before_queueing(make_engine: EngineFacto
         await collect(engine, "Hello", grammar=spec, grammar_param="response_format")
     assert info.value.param == "response_format"
     assert engine.stats().waiting == 0 and engine.stats().running == 0
+
+
+def test_a_word_vocabulary_is_refused_naming_the_field() -> None:
+    from model.tokenizer import WordTokenizer
+    from service.engine.grammar import Grammars
+
+    grammars = Grammars(WordTokenizer.train("to be or not to be"))
+    with pytest.raises(InvalidRequest, match="cannot be constrained") as info:
+        grammars.constraint(GrammarSpec("regex", "to+"), "parameters.grammar")
+    assert info.value.param == "parameters.grammar"
