@@ -22,7 +22,7 @@ from model.tokenizer import Tokenizer, TokenizerError
 from service.engine.backends.factory import choose_backend, native_unavailable
 from service.engine.config import EngineConfig
 from service.engine.dtype_probe import SLOW_FACTOR, cpu_matmul_slowdown
-from service.engine.grammar import Grammars
+from service.engine.grammar import Constraint, Grammars
 from service.engine.ids import new_id, new_seed
 from service.engine.inbox import Inbox
 from service.engine.request import Request
@@ -167,7 +167,11 @@ class Engine:
         (EngineConfig.max_waiting_per_client); None takes part in neither.
         """
         try:
-            return self._submit(prompt, params, request_id or new_id(), stream_interval, client)
+            constraint = None
+            if params.grammar is not None:  # compiled now, off the event loop: a bad grammar is refused
+                constraint = await asyncio.to_thread(self.grammars.constraint, params.grammar,
+                                                     params.grammar_param)
+            return self._submit(prompt, params, request_id or new_id(), stream_interval, client, constraint)
         except EngineError as e:
             self._safe(self.observer.on_rejected, e.code)
             raise
@@ -212,15 +216,12 @@ class Engine:
 
     def _submit(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, stream_interval: int,
-        client: str | None,
+        client: str | None, constraint: Constraint | None = None,
     ) -> GenerationStream:
         self._check_admission(client)
         vocab = self.tokenizer.vocab_size
         validate_params(params, vocab)
         params = effective_params(params, vocab)
-        constraint = None
-        if params.grammar is not None:  # compiled here: a bad or unwritable grammar is refused now
-            constraint = self.grammars.constraint(params.grammar, params.grammar_param)
         if isinstance(prompt, str):
             ids = self.encode(prompt)
         else:

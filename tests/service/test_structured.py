@@ -139,6 +139,19 @@ def test_tgi_stream_and_json_schema_shape(server: ServerProcess) -> None:
     jsonschema.validate(json.loads(r.json()["generated_text"]), SCHEMA)
 
 
+def test_tgi_client_grammar(server: ServerProcess) -> None:
+    """TGI's own Python client sends its Grammar objects unmodified."""
+    text_generation = pytest.importorskip("text_generation")
+    from text_generation.types import Grammar, GrammarType
+
+    client = text_generation.Client(server.base_url, timeout=60)
+    out = client.generate("JSON:", max_new_tokens=120, do_sample=True, seed=2,
+                          grammar=Grammar(type=GrammarType.Json, value=SCHEMA))
+    jsonschema.validate(json.loads(out.generated_text), SCHEMA)
+    out = client.generate("Date:", max_new_tokens=30, grammar=Grammar(type=GrammarType.Regex, value=DATE))
+    assert re.fullmatch(DATE, out.generated_text), out.generated_text
+
+
 @pytest.mark.parametrize(("body", "needle"), [
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
      "invalid JSON schema"),
