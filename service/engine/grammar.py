@@ -150,6 +150,11 @@ class GrammarMask:
 
     def apply(self, rows: list[tuple[int, Constraint]], logits: torch.Tensor) -> None:
         """rows: (row of logits, its constraint). Disallowed tokens become -inf in place."""
+        for _, c in rows:
+            # A matcher in error (a resource limit hit mid-text) would mask every token: fail its
+            # row by name instead (the scheduler isolates a sampling failure to its own rows).
+            if c.matcher.is_error():
+                raise RuntimeError(f"the grammar failed: {c.matcher.get_error()}")
         n_vocab = rows[0][1].n_vocab
         width = (n_vocab + 31) // 32
         if self._buf.shape[0] < len(rows) or self._buf.shape[1] != width:

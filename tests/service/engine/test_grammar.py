@@ -71,3 +71,21 @@ def test_a_word_vocabulary_is_refused_naming_the_field() -> None:
     with pytest.raises(InvalidRequest, match="cannot be constrained") as info:
         grammars.constraint(GrammarSpec("regex", "to+"), "parameters.grammar")
     assert info.value.param == "parameters.grammar"
+
+
+def test_a_matcher_in_error_fails_its_row_by_name() -> None:
+    import torch
+
+    from model.tokenizer import CharTokenizer
+    from service.engine.grammar import GrammarMask, Grammars
+    from tests.conftest import TINY_VOCAB_TEXT
+
+    tok = CharTokenizer.train(TINY_VOCAB_TEXT)
+    constraint = Grammars(tok).constraint(GrammarSpec("regex", "ab"), "grammar")
+    logits = torch.zeros((2, tok.vocab_size))
+    GrammarMask().apply([(1, constraint)], logits)
+    allowed = (logits[1] > float("-inf")).nonzero().flatten().tolist()
+    assert allowed == tok.encode("a") and bool((logits[0] == 0).all())  # row 0 untouched
+    constraint.accept(tok.encode("z")[0])  # a token the mask forbade puts the matcher in error
+    with pytest.raises(RuntimeError, match="the grammar failed"):
+        GrammarMask().apply([(0, constraint)], logits)
