@@ -82,10 +82,15 @@ def test_a_matcher_in_error_fails_its_row_by_name() -> None:
 
     tok = CharTokenizer.train(TINY_VOCAB_TEXT)
     constraint = Grammars(tok).constraint(GrammarSpec("regex", "ab"), "grammar")
-    logits = torch.zeros((2, tok.vocab_size))
-    GrammarMask().apply([(1, constraint)], logits)
-    allowed = (logits[1] > float("-inf")).nonzero().flatten().tolist()
-    assert allowed == tok.encode("a") and bool((logits[0] == 0).all())  # row 0 untouched
+    # float32 on CPU goes through numpy, bfloat16 through torch (the path of GPU logits).
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.zeros((2, tok.vocab_size), dtype=dtype)
+        GrammarMask().apply([(1, constraint)], logits)
+        allowed = (logits[1] > float("-inf")).nonzero().flatten().tolist()
+        assert allowed == tok.encode("a") and bool((logits[0] == 0).all())  # row 0 untouched
+        both = torch.zeros((1, tok.vocab_size), dtype=dtype)
+        GrammarMask().apply([(0, constraint)], both)  # every row: one fill
+        assert (both[0] > float("-inf")).nonzero().flatten().tolist() == tok.encode("a")
     constraint.accept(tok.encode("z")[0])  # a token the mask forbade puts the matcher in error
     with pytest.raises(RuntimeError, match="the grammar failed"):
         GrammarMask().apply([(0, constraint)], logits)
