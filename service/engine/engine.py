@@ -22,6 +22,7 @@ from model.tokenizer import Tokenizer, TokenizerError
 from service.engine.backends.factory import choose_backend, native_unavailable
 from service.engine.config import EngineConfig
 from service.engine.dtype_probe import SLOW_FACTOR, cpu_matmul_slowdown
+from service.engine.grammar import Constraint, Grammars
 from service.engine.ids import new_id, new_seed
 from service.engine.inbox import Inbox
 from service.engine.request import Request
@@ -77,6 +78,7 @@ class Engine:
         self.backend, self.backend_reason = choose_backend(self.model, config, self.window, cpu_threads)
         log.info("engine: backend %s, kernels %s (%s)", self.backend.name, self.backend.kernels(),
                  self.backend_reason)
+        self.grammars = Grammars(self.tokenizer)
         self.runner = ModelRunner(
             self.backend, checkpoint.config.vocab_size, usable_vocab=self.tokenizer.vocab_size,
             deterministic=config.deterministic, cpu_threads=cpu_threads,
@@ -183,7 +185,14 @@ class Engine:
             if not 1 <= n <= self.config.max_seqs:
                 raise InvalidRequest(f"n is {n}: this server runs 1 to {self.config.max_seqs} "
                                      "choices of one prompt (max_seqs)", param="n")
-            return self._submit(prompt, params, request_id or new_id(), stream_interval, client, n)
+            constraints: list[Constraint | None] = [None] * n
+            if params.grammar is not None:  # compiled now, off the event loop: a bad grammar is refused
+                grammar, where = params.grammar, params.grammar_param
+                # One matcher a choice: each advances with its own tokens.
+                constraints = list(await asyncio.to_thread(
+                    lambda: [self.grammars.constraint(grammar, where) for _ in range(n)]))
+            return self._submit(prompt, params, request_id or new_id(), stream_interval, client, n,
+                                constraints)
         except EngineError as e:
             self._safe(self.observer.on_rejected, e.code)
             raise
@@ -231,7 +240,7 @@ class Engine:
 
     def _submit(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, stream_interval: int,
-        client: str | None, n: int,
+        client: str | None, n: int, constraints: list[Constraint | None],
     ) -> list[GenerationStream]:
         self._check_admission(client)
         vocab = self.tokenizer.vocab_size
@@ -260,6 +269,7 @@ class Engine:
                 loop=loop,
                 queue=Inbox(loop, stream_interval, _ends_stream),
                 client=client,
+                constraint=constraints[i],
             )
             for i in range(n)
         ]

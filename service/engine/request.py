@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from model.tokenizer import Tokenizer
 from service.engine.detokenizer import IncrementalDecoder, StopMatcher
+from service.engine.grammar import Constraint
 from service.engine.inbox import Inbox
 from service.engine.types import FinishReason, SamplingParams, TokenEvent, TopToken, Usage
 
@@ -28,6 +29,7 @@ class Request:
     client: str | None = None  # who asked (an API key's or a peer's id), for fair admission
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set from the event loop; read by the engine thread
+    constraint: Constraint | None = None  # structured output: masks the logits, ends the text
     # --- engine-thread state ---
     slot: int = -1
     ctx: list[int] = field(default_factory=list)  # tokens the next logits are conditioned on
@@ -88,6 +90,8 @@ class Request:
             self.first_token_at = now
         index = len(self.generated)
         self.generated.append(token_id)
+        if self.constraint is not None:
+            self.constraint.accept(token_id)
         special = self.tokenizer.is_special(token_id)
         reason: FinishReason | None = None
         if self.params.stop_on_eos and eos_id is not None and token_id == eos_id:
@@ -97,6 +101,8 @@ class Request:
             text, stopped = self.stopper.feed(self.decoder.add(token_id))
             if stopped:
                 reason = FinishReason.STOP_SEQUENCE
+            elif self.constraint is not None and self.constraint.complete:
+                reason = FinishReason.EOS_TOKEN  # the grammar allows nothing more: the text is done
             elif len(self.generated) >= self.params.max_new_tokens:
                 reason = FinishReason.LENGTH
             elif self.deadline is not None and now >= self.deadline:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import Literal, Protocol
 
 
 class FinishReason(str, Enum):
@@ -17,6 +17,14 @@ class FinishReason(str, Enum):
     STOP_SEQUENCE = "stop_sequence"  # a stop string appeared in the decoded text
     CANCELLED = "cancelled"  # the consumer went away / cancelled the iterator
     ERROR = "error"  # this request failed inside the engine (others keep running)
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """Structured output: the text must match a JSON Schema (given as JSON text) or a regex."""
+
+    kind: Literal["json_schema", "regex"]
+    value: str
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,8 @@ class SamplingParams:
     # (token id, bias) pairs added to the logits before any processing or sampling (OpenAI's
     # logit_bias): -100 all but bans a token, +100 all but forces it.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: GrammarSpec | None = None  # the generated text must match it (service/engine/grammar.py)
+    grammar_param: str = "grammar"  # the request field that carried the grammar, for errors
 
 
 @dataclass(frozen=True)

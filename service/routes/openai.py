@@ -107,6 +107,8 @@ def _sampling_params(body: GenerationRequest, settings: Settings, *, max_tokens:
         logprobs=logprobs,
         top_n_tokens=top_n,
         logit_bias=body.bias_pairs(),
+        grammar=body.grammar(),
+        grammar_param="response_format",
     )
 
 

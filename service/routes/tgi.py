@@ -28,6 +28,7 @@ from service.generation import (
 )
 from service.schemas.common import error_responses
 from service.schemas.openai import MAX_PROMPTS
+from service.schemas.structured import tgi_grammar
 from service.schemas.tgi import (
     BestOfSequence,
     Details,
@@ -102,6 +103,8 @@ def sampling_params(p: GenerateParameters, settings: Settings) -> SamplingParams
         logprobs=True,  # TGI reports every token's logprob
         top_n_tokens=p.top_n_tokens or 0,
         truncate=p.truncate,
+        grammar=tgi_grammar(p.grammar),
+        grammar_param="parameters.grammar",
     )
 
 

@@ -23,7 +23,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from service.engine.types import GrammarSpec
 from service.schemas.common import MAX_COUNT
+from service.schemas.structured import openai_grammar
 
 MAX_CHOICES = 16  # n and best_of (also at most the engine's slots: each choice holds one)
 MAX_PROMPTS = 16  # prompts in one completions request (each is a request of the engine's)
@@ -106,6 +108,11 @@ class GenerationRequest(BaseModel):
         1, ge=1, le=MAX_CHOICES, description=f"Choices to generate (1 to {MAX_CHOICES}, and at most the "
         "server's max_seqs); the prompt is prefilled once. Choice i samples with seed + i."
     )
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} (any JSON object) or '
+        '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}: the output is '
+        "constrained to match (also on /v1/completions, as vLLM)."
+    )
     logit_bias: dict[str, float] | None = Field(
         None, description="Token id (as a string) -> bias in [-100, 100], added to the logits before "
         "sampling: -100 all but bans a token, 100 all but forces it."
@@ -134,6 +141,16 @@ class GenerationRequest(BaseModel):
             if not -100.0 <= bias <= 100.0:
                 raise _invalid(f"logit_bias[{key!r}] is {bias}; biases are in [-100, 100]")
         return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _known_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        openai_grammar(v)  # raises on a shape that is not one of OpenAI's three
+        return v
+
+    def grammar(self) -> GrammarSpec | None:
+        """response_format as the engine's grammar (None: plain text)."""
+        return openai_grammar(self.response_format)
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """logit_bias as the engine takes it: (token id, bias) pairs."""
@@ -276,7 +293,6 @@ class ChatCompletionRequest(GenerationRequest):
     functions: list[Any] | None = Field(None, description="Empty or null only.")
     function_call: Any = Field(None, description='"none", "auto" or null only.')
     parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored (no tools).")
-    response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
     modalities: list[str] | None = Field(None, description='Only ["text"].')
     audio: Any = None
     prediction: Any = None
@@ -304,13 +320,6 @@ class ChatCompletionRequest(GenerationRequest):
     def _text_model(cls, v: Any, info: ValidationInfo) -> Any:
         if v is not None:
             raise _unsupported(str(info.field_name), "this is a small text model")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v != {"type": "text"}:
-            raise _unsupported("response_format", 'only {"type": "text"}; JSON mode is not implemented')
         return v
 
     @field_validator("modalities")

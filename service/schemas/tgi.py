@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from service.schemas.common import MAX_COUNT, MAX_STOP_LENGTH, STRICT, Seed
+from service.schemas.structured import tgi_grammar
 
 FinishReasonName = Literal["length", "eos_token", "stop_sequence"]
 
@@ -71,7 +72,11 @@ class GenerateParameters(BaseModel):
         "max_best_of; sampling only, no seed, no streaming: TGI's rules) and answer the one with the "
         "highest mean token logprob; the others are in details.best_of_sequences."
     )
-    grammar: dict[str, Any] | None = Field(default=None, description="Not supported (null only).")
+    grammar: dict[str, Any] | None = Field(
+        default=None, description='{"type": "json", "value": <JSON Schema>}, {"type": "regex", "value": '
+        '"<pattern>"} or {"type": "json_schema", "value": {"name": ..., "schema": {...}}}: the output is '
+        "constrained to match."
+    )
     adapter_id: str | None = Field(default=None, description="Not supported (null only).")
 
     @field_validator("stop")
@@ -95,7 +100,13 @@ class GenerateParameters(BaseModel):
             raise _unsupported(str(info.field_name), "only false is accepted")
         return value
 
-    @field_validator("grammar", "adapter_id")
+    @field_validator("grammar")
+    @classmethod
+    def _known_grammar(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        tgi_grammar(value)  # raises on a shape TGI does not take
+        return value
+
+    @field_validator("adapter_id")
     @classmethod
     def _null_only(cls, value: object, info: ValidationInfo) -> object:
         if value is not None:

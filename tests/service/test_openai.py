@@ -214,7 +214,7 @@ def test_logprobs(client: openai.OpenAI) -> None:
 
 @pytest.mark.parametrize(("kwargs", "field", "says"), [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools", "tool"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "JSON mode"),
+    ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate", "Extra inputs"),
     ({"extra_body": {"temperature": True}}, "temperature", "valid number"),
     ({"max_tokens": MAX_NEW_TOKENS + 1}, "max_tokens", f"limit of {MAX_NEW_TOKENS}"),

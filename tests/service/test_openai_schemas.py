@@ -69,7 +69,7 @@ def test_neutral_values_some_clients_always_send_are_accepted() -> None:
     ({**CHAT, "functions": [{"name": "f"}]}, "functions", "not supported"),
     ({**CHAT, "store": True}, "store", "not stored"),
     ({**CHAT, "service_tier": "flex"}, "service_tier", "'auto'"),
-    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format", "JSON mode"),
+    ({**CHAT, "response_format": {"type": "xml"}}, "response_format", "json_schema"),
     ({**CHAT, "logit_bias": {"a": 5}}, "logit_bias", "token ids"),
     ({**CHAT, "logit_bias": {"1": 5, "01": 3}}, "logit_bias", "twice"),
     ({**CHAT, "logit_bias": {"1": 101}}, "logit_bias", "[-100, 100]"),

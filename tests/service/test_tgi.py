@@ -149,7 +149,7 @@ async def test_long_prompt_is_cropped_to_the_window(client: AppClient) -> None:
         ({"watermark": True}, "parameters.watermark"),
         ({"decoder_input_details": True}, "parameters.decoder_input_details"),
         ({"best_of": 2}, "best_of"),  # greedy: TGI requires sampling for best_of > 1
-        ({"grammar": {"type": "json", "value": {}}}, "parameters.grammar"),
+        ({"grammar": {"type": "yaml", "value": {}}}, "parameters.grammar"),
         ({"stop": [""]}, "parameters.stop"),
         ({"frobnicate": 1}, "parameters.frobnicate"),
     ],
