@@ -11,7 +11,8 @@ grep -qxF '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"
 rm -rf .whl && mkdir -p .whl
 grep -v '^\s*\(#\|$\)' bench/gpu/wheels.txt | xargs "$py" -m pip download --no-deps --only-binary=:all: \
   --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+  --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl
 ls .whl
 du -sh .whl
