@@ -18,6 +18,14 @@ MAX_ID_CHARS = 128
 
 
 def client_id(request: Request) -> str:
+    """The request's client (worked out once; the chat route asks before the prompt is rendered)."""
+    known = getattr(request.state, "client_id", None)
+    if known is None:
+        known = request.state.client_id = _client_id(request)
+    return str(known)
+
+
+def _client_id(request: Request) -> str:
     settings: Settings = request.app.state.settings
     if request.app.state.api_keys:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")

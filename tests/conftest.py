@@ -63,6 +63,23 @@ def make_tiny_checkpoint(  # type: ignore[no-untyped-def]
     )
 
 
+def make_tiny_bpe_checkpoint(  # type: ignore[no-untyped-def]
+    path, corpus: str, *, vocab_size: int, block_size: int, name: str
+):
+    """A random-weight checkpoint with a byte-level BPE vocabulary trained on `corpus`."""
+    import torch
+
+    from model.checkpoint import save_checkpoint
+    from model.config import GPTConfig
+    from model.gpt import GPT
+    from model.tokenizer import BPETokenizer
+
+    tok = BPETokenizer.train(corpus, vocab_size=vocab_size)
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=tok.vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=32)
+    return save_checkpoint(path, GPT(config), tok, name=name, provenance={"note": "random weights"})
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):  # type: ignore[no-untyped-def]
     """Path of a tiny random char-level checkpoint (block_size 64), shared by every test."""

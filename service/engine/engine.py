@@ -19,7 +19,8 @@ import torch
 
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.tokenizer import Tokenizer, TokenizerError
-from service.engine.backends.factory import choose_backend, native_unavailable
+from service.engine.backends import factory
+from service.engine.backends.factory import native_unavailable
 from service.engine.config import EngineConfig
 from service.engine.dtype_probe import SLOW_FACTOR, cpu_matmul_slowdown
 from service.engine.grammar import Constraint, Grammars
@@ -75,7 +76,8 @@ class Engine:
         self.model = checkpoint.build_model(self.device, config.torch_dtype)
         self.num_params = self.model.num_params(non_embedding=False)
         cpu_threads = config.cpu_threads or default_cpu_threads()
-        self.backend, self.backend_reason = choose_backend(self.model, config, self.window, cpu_threads)
+        self.backend, self.backend_reason = factory.choose_backend(self.model, config, self.window,
+                                                                   cpu_threads)
         log.info("engine: backend %s, kernels %s (%s)", self.backend.name, self.backend.kernels(),
                  self.backend_reason)
         self.grammars = Grammars(self.tokenizer)
@@ -242,7 +244,6 @@ class Engine:
         self, prompt: str | list[int], params: SamplingParams, request_id: str, stream_interval: int,
         client: str | None, n: int, constraints: list[Constraint | None],
     ) -> list[GenerationStream]:
-        self._check_admission(client)
         vocab = self.tokenizer.vocab_size
         validate_params(params, vocab)
         params = effective_params(params, vocab)
@@ -278,7 +279,7 @@ class Engine:
         for follower in leader.followers:
             follower.leader = leader
         with self._cond:
-            self._check_admission(client)  # again, under the lock: others may have queued since
+            self._check_admission(client)  # under the lock: others may have queued since any earlier check
             self._waiting.append(leader)
             self._unfinished += n
             self._cond.notify()

@@ -28,6 +28,7 @@ import pytest
 
 from service.schemas.openai import ChatCompletionRequest, CompletionRequest
 from service.schemas.tgi import GenerateParameters
+from tests.conftest import make_tiny_bpe_checkpoint
 from tests.error_shapes import error_kind, error_message
 from tests.reliability.conftest import ONE_THREAD, READY_TIMEOUT_S
 from tests.reliability.observe import rss_bytes
@@ -49,17 +50,7 @@ CORPUS = (
 
 
 def make_bpe_checkpoint(path: Path) -> Path:
-    import torch
-
-    from model.checkpoint import save_checkpoint
-    from model.config import GPTConfig
-    from model.gpt import GPT
-    from model.tokenizer import BPETokenizer
-
-    tok = BPETokenizer.train(CORPUS, vocab_size=300)
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=tok.vocab_size, block_size=64, n_layer=2, n_head=2, n_embd=32)
-    return save_checkpoint(path, GPT(config), tok, name="tiny-bpe", provenance={"note": "random weights"})
+    return make_tiny_bpe_checkpoint(path, CORPUS, vocab_size=300, block_size=64, name="tiny-bpe")
 
 
 @pytest.fixture(scope="module")

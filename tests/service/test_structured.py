@@ -17,6 +17,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.conftest import make_tiny_bpe_checkpoint
 from tests.service.server import REPO_ROOT, ServerProcess, running_server
 
 SCHEMA = {
@@ -41,17 +42,7 @@ ENV = {"NANOSERVE_MAX_SEQS": "8", "OMP_NUM_THREADS": "1"}
 
 def make_json_bpe_checkpoint(path: Path) -> Path:
     """Random weights, a BPE vocabulary trained on JSON-ish text, a window of 256."""
-    import torch
-
-    from model.checkpoint import save_checkpoint
-    from model.config import GPTConfig
-    from model.gpt import GPT
-    from model.tokenizer import BPETokenizer
-
-    tok = BPETokenizer.train(CORPUS, vocab_size=400)
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=tok.vocab_size, block_size=256, n_layer=2, n_head=2, n_embd=32)
-    return save_checkpoint(path, GPT(config), tok, name="tiny-json", provenance={"note": "random weights"})
+    return make_tiny_bpe_checkpoint(path, CORPUS, vocab_size=400, block_size=256, name="tiny-json")
 
 
 @pytest.fixture(scope="module")
