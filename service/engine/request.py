@@ -13,7 +13,8 @@ from model.tokenizer import Tokenizer
 from service.engine.detokenizer import IncrementalDecoder, StopMatcher
 from service.engine.grammar import Constraint
 from service.engine.inbox import Inbox
-from service.engine.types import FinishReason, SamplingParams, TokenEvent, TopToken, Usage
+from service.engine.prompt_scores import PromptScores, prompt_of
+from service.engine.types import FinishReason, Prompt, SamplingParams, TokenEvent, TopToken, Usage
 
 
 @dataclass(eq=False)
@@ -43,6 +44,9 @@ class Request:
     # --- one prompt, several choices (n / best_of): the leader prefills it once ---
     leader: Request | None = None  # a follower waits (holding its slot) until this one's prefill
     followers: list[Request] = field(default_factory=list)  # the leader's, until it shares
+    # --- echo and prompt logprobs ---
+    prompt_scores: PromptScores = field(default_factory=PromptScores)
+    prompt_sent: bool = False  # the first event carried the prompt
 
     @property
     def group(self) -> list[Request]:
@@ -61,6 +65,28 @@ class Request:
     def pending(self) -> int:
         """Context tokens not yet in the cache (a whole prompt, a re-prefill, or one new token)."""
         return len(self.ctx) - self.n_cached
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """The prompt is still to be scored (prompt logprobs): every prompt token must go through
+        the model (a prefix cache may not skip any), each position's logits returned."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_scores) < len(self.prompt_ids) - 1
+
+    def prompt_rows_to_score(self, start: int, count: int) -> int:
+        """How many positions of a chunk feeding positions start..start+count-1 score the prompt
+        token after them: those up to the last but one prompt token, when the chunk continues the
+        scores (the context still begins with the prompt: no window shift yet)."""
+        if not self.needs_prompt_logits or self.shifts or start != len(self.prompt_scores):
+            return 0
+        return max(0, min(start + count, len(self.prompt_ids) - 1) - start)
+
+    def _prompt_once(self) -> Prompt | None:
+        """The prompt for the request's first event, when echo asked for it."""
+        if self.prompt_sent or not self.params.echo:
+            return None
+        self.prompt_sent = True
+        scored = self.prompt_scores if self.params.prompt_logprobs is not None else None
+        return prompt_of(self.tokenizer, self.prompt_ids, scored)
 
     def usage(self, now: float) -> Usage:
         scheduled = self.scheduled_at if self.scheduled_at is not None else now
@@ -110,7 +136,8 @@ class Request:
             if reason is not None and reason is not FinishReason.STOP_SEQUENCE:
                 text += self._flush_text()
         event = TokenEvent(
-            index=index, token_id=token_id, text=text, logprob=logprob, special=special, top_tokens=top
+            index=index, token_id=token_id, text=text, logprob=logprob, special=special, top_tokens=top,
+            prompt=self._prompt_once(),
         )
         if reason is None:
             return event
@@ -125,5 +152,6 @@ class Request:
         """The closing event when the request ends without a new token (cancel, error, drain)."""
         self.finished = True
         text = self._flush_text() if reason is not FinishReason.ERROR else ""
-        event = TokenEvent(index=len(self.generated), token_id=None, text=text)
+        prompt = self._prompt_once() if reason is not FinishReason.ERROR else None
+        event = TokenEvent(index=len(self.generated), token_id=None, text=text, prompt=prompt)
         return replace(event, finish_reason=reason, usage=self.usage(now), error=error)

@@ -20,6 +20,7 @@ from model.sampling import row_max, token_logprobs
 from service.engine.backends.base import Backend
 from service.engine.grammar import GrammarMask
 from service.engine.penalties import PenaltyState
+from service.engine.prompt_scores import PromptScores, reduce_rows
 from service.engine.request import Request
 from service.engine.threads import ThreadTuner
 from service.engine.work import SampleResult, WorkItem, needs_draw
@@ -136,7 +137,32 @@ class ModelRunner:
         self.threads.begin(len(items) * t)
         logits = self.backend.forward(items)
         self.threads.end()
+        if any(item.scores for item in items):
+            logits = self._score_prompts(items, logits)
         return logits  # (G, V)
+
+    def _score_prompts(self, items: list[WorkItem], logits: torch.Tensor) -> torch.Tensor:
+        """Reduce the rows of items that score their prompt (every position's, work.logit_rows) to
+        each next prompt token's logprob and top N, recorded on the request; returns each item's
+        last row, (G, V). Records nothing unless every item's reduction succeeds (a failure is
+        retried in smaller groups by _run_isolated)."""
+        t = len(items[0].tokens)
+        last: list[int] = []
+        done: list[tuple[Request, PromptScores]] = []
+        at = 0
+        for item in items:
+            width = t if item.scores else 1
+            if item.scores:
+                req = item.req
+                following = req.prompt_ids[item.start + 1 : item.start + 1 + item.scores]
+                top_n = req.params.prompt_logprobs or 0
+                done.append((req, reduce_rows(logits[at : at + item.scores], following, top_n,
+                                              self.usable_vocab)))
+            at += width
+            last.append(at - 1)
+        for req, scores in done:
+            req.prompt_scores.extend(scores)
+        return logits[last]
 
     def reset_slot(self, req: Request) -> None:
         self.penalties.reset_slot(req)

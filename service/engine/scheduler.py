@@ -102,6 +102,7 @@ class Scheduler:
             self.runner.cache.copy_prefix(leader.slot, follower.slot, shared)
             follower.n_cached = shared
             follower.leader = None
+            follower.prompt_scores.extend(leader.prompt_scores)  # the same prompt, scored once
             self.shared_prefill_tokens += shared
         leader.followers = []
 
@@ -111,6 +112,8 @@ class Scheduler:
         the request's seed and step only)."""
         self.release(req)
         req.n_cached = 0
+        if req.needs_prompt_logits:  # scored again from the start with the re-prefill
+            req.prompt_scores.clear()
         self.preemptions += 1
 
     def preemption_victim(self, waiting: WaitingQueue) -> Request | None:
@@ -171,7 +174,8 @@ class Scheduler:
                 continue
             budget -= chunk
             tokens = req.ctx[req.n_cached : req.n_cached + chunk]
-            items.append(WorkItem(req, tokens, req.n_cached, completes=chunk == pending))
+            items.append(WorkItem(req, tokens, req.n_cached, completes=chunk == pending,
+                                  scores=req.prompt_rows_to_score(req.n_cached, chunk)))
         return items
 
     def step(self) -> StepResult:
@@ -200,8 +204,22 @@ class Scheduler:
         result.batch_size = len(items)
         self.prefilled_tokens += result.prefill_tokens
         if forward.logits is not None:
-            self._sample_isolated([items[i].req for i in forward.rows], forward.logits, result)
+            self._sample_rows([items[i].req for i in forward.rows], forward.logits, result)
         return result
+
+    def _sample_rows(self, reqs: list[Request], logits: torch.Tensor, result: StepResult) -> None:
+        """Sample the rows whose prefill completed; a request that only scores its prompt
+        (max_new_tokens 0) ends here instead, its prompt on its only event."""
+        scoring = [j for j, r in enumerate(reqs) if r.params.max_new_tokens == 0]
+        now = time.perf_counter()
+        for j in scoring:
+            self._end(reqs[j], result, reqs[j].final_event(FinishReason.LENGTH, now))
+        if scoring:
+            keep = [j for j in range(len(reqs)) if reqs[j].params.max_new_tokens > 0]
+            if not keep:
+                return
+            reqs, logits = [reqs[j] for j in keep], logits[keep]
+        self._sample_isolated(reqs, logits, result)
 
     def _sample_isolated(self, reqs: list[Request], logits: torch.Tensor, result: StepResult) -> None:
         """Sample and emit; if sampling raises, bisect so that only the rows whose own parameters

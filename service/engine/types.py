@@ -53,6 +53,12 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: GrammarSpec | None = None  # the generated text must match it (service/engine/grammar.py)
     grammar_param: str = "grammar"  # the request field that carried the grammar, for errors
+    # The first event carries the prompt as the model saw it (`TokenEvent.prompt`); with
+    # `prompt_logprobs` N (not None) each prompt token is scored too, with its N most likely
+    # alternatives (only with echo). max_new_tokens 0 is allowed with echo: the prompt is echoed
+    # (and scored) and nothing generated.
+    echo: bool = False
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,25 @@ class TopToken:
     id: int
     text: str
     logprob: float
+
+
+@dataclass(frozen=True)
+class PromptToken:
+    """One prompt token; `logprob` is that of the token given the ones before it (None for the
+    first, which nothing predicts, or when the prompt was not scored)."""
+
+    id: int
+    text: str
+    logprob: float | None = None
+    top_tokens: tuple[TopToken, ...] = ()
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The prompt as the model saw it (after any cropping): its text and its tokens."""
+
+    text: str
+    tokens: tuple[PromptToken, ...]
 
 
 @dataclass(frozen=True)
@@ -92,6 +117,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None  # set with finish_reason ERROR: what went wrong
+    prompt: Prompt | None = None  # on a request's first event when SamplingParams.echo asked for it
 
 
 class EngineError(Exception):

@@ -58,7 +58,8 @@ def effective_params(p: SamplingParams, vocab_size: int) -> SamplingParams:
 
 def validate_params(p: SamplingParams, vocab_size: int) -> None:
     """Raise InvalidRequest naming the first bad parameter."""
-    _positive_int("max_new_tokens", p.max_new_tokens)
+    # Echoing (and scoring) a prompt without generating, max_new_tokens 0, is how clients score text.
+    _positive_int("max_new_tokens", p.max_new_tokens, allow_zero=p.echo)
     _in_range("temperature", p.temperature, 0.0, 100.0)
     _positive_int("top_k", p.top_k, allow_zero=True)  # 0 = disabled, as in HF
     _in_range("top_p", p.top_p, 0.0, 1.0, lo_open=True)
@@ -86,6 +87,13 @@ def validate_params(p: SamplingParams, vocab_size: int) -> None:
             f"top_n_tokens must be at most {min(MAX_TOP_N_TOKENS, vocab_size)}, got {p.top_n_tokens}",
             param="top_n_tokens",
         )
+    if p.prompt_logprobs is not None:
+        if not p.echo:  # the scores travel with the echoed prompt
+            raise InvalidRequest("prompt_logprobs needs echo", param="prompt_logprobs")
+        _positive_int("prompt_logprobs", p.prompt_logprobs, allow_zero=True)
+        if p.prompt_logprobs > min(MAX_TOP_N_TOKENS, vocab_size):
+            raise InvalidRequest(f"prompt_logprobs must be at most {min(MAX_TOP_N_TOKENS, vocab_size)}, "
+                                 f"got {p.prompt_logprobs}", param="prompt_logprobs")
     if p.deadline_s is not None:
         _in_range("deadline_s", p.deadline_s, 0.0, 86400.0, lo_open=True)
     _positive_int("truncate", p.truncate)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from service.engine.request import Request
@@ -9,12 +10,24 @@ from service.engine.request import Request
 
 @dataclass
 class WorkItem:
-    """Feed `tokens` of `req` at positions start.. into its slot; sample if `completes`."""
+    """Feed `tokens` of `req` at positions start.. into its slot; sample if `completes`.
+    Positions start..start+scores-1 score the prompt token after each (prompt_scores.py)."""
 
     req: Request
     tokens: list[int]
     start: int
     completes: bool
+    scores: int = 0
+
+
+def logit_rows(items: Sequence[WorkItem]) -> list[int]:
+    """Which rows of a forward's tokens (item j's token k is row j * t + k, t tokens an item) a
+    backend returns logits for: every row of an item that scores its prompt, else the last."""
+    t = len(items[0].tokens)
+    rows: list[int] = []
+    for j, item in enumerate(items):
+        rows += range(j * t, (j + 1) * t) if item.scores else [j * t + t - 1]
+    return rows
 
 
 @dataclass

@@ -34,8 +34,9 @@ class Backend(ABC):
     @abstractmethod
     def forward(self, items: Sequence[WorkItem]) -> torch.Tensor:
         """Feed every item's tokens into its slot (each item the same number of tokens, each its
-        own slot, its cache holding positions < item.start); returns the logits at each item's
-        last token, (len(items), V)."""
+        own slot, its cache holding positions < item.start); returns the logits at the rows
+        `work.logit_rows(items)` names, in that order: each item's last token, or every token of
+        an item that scores its prompt (item.scores)."""
 
     @abstractmethod
     def draw(self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor,

@@ -14,7 +14,7 @@ from service.engine.kv_slots import SpanKVCache
 from service.engine.native_step import NativeStep, SamplePenalties, release_weights
 from service.engine.penalties import PenaltyState
 from service.engine.request import Request
-from service.engine.work import WorkItem, needs_draw, uses_penalties
+from service.engine.work import WorkItem, logit_rows, needs_draw, uses_penalties
 
 
 class NativeBackend(Backend):
@@ -42,7 +42,7 @@ class NativeBackend(Backend):
         tokens = [tok for it in items for tok in it.tokens]
         positions = [p for it in items for p in range(it.start, it.start + t)]
         rows = [it.req.slot for it in items for _ in range(t)]
-        return self.step(tokens, positions, rows, [j * t + t - 1 for j in range(len(items))])
+        return self.step(tokens, positions, rows, logit_rows(items))
 
     def draw(self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor,
              penalties: PenaltyState) -> torch.Tensor:

@@ -15,7 +15,7 @@ from service.engine.packed_linear import pack_linears
 from service.engine.penalties import PenaltyState
 from service.engine.request import Request
 from service.engine.torch_decode import TorchDecodeStep
-from service.engine.work import WorkItem, needs_draw
+from service.engine.work import WorkItem, logit_rows, needs_draw
 
 
 class TorchBackend(Backend):
@@ -53,8 +53,13 @@ class TorchBackend(Backend):
         self.cache.prepare(slot_list, [item.start + t for item in items])
         if t == 1 and self.decode_step is not None:
             return self.decode_step(idx.view(-1), pos.view(-1), slots)
-        out = self.model(idx, input_pos=pos, cache=self.cache, slots=slots, last_only=True)
-        return out[:, -1, :]  # type: ignore[no-any-return]
+        if not any(item.scores for item in items):
+            out = self.model(idx, input_pos=pos, cache=self.cache, slots=slots, last_only=True)
+            return out[:, -1, :]  # type: ignore[no-any-return]
+        # Prompt logprobs: every position's logits of the items that score their prompt.
+        out = self.model(idx, input_pos=pos, cache=self.cache, slots=slots)  # (G, T, V)
+        rows = torch.tensor(logit_rows(items), dtype=torch.long, device=self.device)
+        return out.reshape(-1, out.shape[-1]).index_select(0, rows)  # type: ignore[no-any-return]
 
     def draw(self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor,
              penalties: PenaltyState) -> torch.Tensor:

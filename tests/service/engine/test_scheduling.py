@@ -197,7 +197,9 @@ def _planner(prefill_budget: int, idle_prefill_budget: int, pending: list[int]) 
     scheduler = Scheduler(runner=None, tokenizer=SimpleNamespace(eos_id=None), config=config, window=256)  # type: ignore[arg-type]
     for i, n in enumerate(pending):
         ctx = list(range(100 + n))
-        scheduler.running.append(SimpleNamespace(index=i, ctx=ctx, n_cached=100, pending=n, leader=None))  # type: ignore[arg-type]
+        req = SimpleNamespace(index=i, ctx=ctx, n_cached=100, pending=n, leader=None,
+                              prompt_rows_to_score=lambda start, count: 0)
+        scheduler.running.append(req)  # type: ignore[arg-type]
     return [(item.req.index, len(item.tokens)) for item in scheduler.plan()]  # type: ignore[attr-defined]
 
 

@@ -1,0 +1,123 @@
+"""Echo and prompt logprobs: the prompt scored in its own prefill, on every backend."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from model.checkpoint import Checkpoint
+from service.engine.types import FinishReason, InvalidRequest, Prompt, SamplingParams, TokenEvent
+from tests.service.engine.conftest import EngineFactory, collect, token_ids
+
+# 24 characters: longer than the prefill chunk the tests set (5), within the lively window (32).
+PROMPT = "the quick brown fox jump"
+
+
+def reference(lively: Checkpoint, ids: list[int]) -> torch.Tensor:
+    """log_softmax of the reference model's full forward over `ids`: (T, V)."""
+    model = lively.build_model("cpu")
+    with torch.no_grad():
+        return model(torch.tensor([ids]))[0].log_softmax(-1)
+
+
+def check_scores(prompt: Prompt, ids: list[int], want: torch.Tensor, top_n: int) -> None:
+    assert [t.id for t in prompt.tokens] == ids
+    first, *rest = prompt.tokens
+    assert first.logprob is None and first.top_tokens == ()  # nothing predicts the first token
+    for i, token in enumerate(rest, start=1):
+        assert token.logprob == pytest.approx(want[i - 1, ids[i]].item(), abs=1e-4)
+        assert len(token.top_tokens) == top_n
+        expected = want[i - 1].topk(top_n)
+        got = torch.tensor([t.logprob for t in token.top_tokens])
+        torch.testing.assert_close(got, expected.values, rtol=0, atol=1e-4)
+
+
+def first_prompt(events: list[TokenEvent]) -> Prompt:
+    assert events[0].prompt is not None
+    assert all(e.prompt is None for e in events[1:])  # the prompt comes once, on the first event
+    return events[0].prompt
+
+
+async def test_prompt_logprobs_match_the_reference_across_prefill_chunks(
+    make_engine: EngineFactory, lively: Checkpoint
+) -> None:
+    engine = make_engine(prefill_budget=5, idle_prefill_budget=5)
+    ids = lively.tokenizer.encode(PROMPT)
+    events = await collect(engine, PROMPT, max_new_tokens=3, temperature=0.0, echo=True, prompt_logprobs=3)
+    prompt = first_prompt(events)
+    assert prompt.text == PROMPT
+    check_scores(prompt, ids, reference(lively, ids), top_n=3)
+    # The generated tokens are those of a request without echo.
+    plain = await collect(engine, PROMPT, max_new_tokens=3, temperature=0.0)
+    assert token_ids(events) == token_ids(plain)
+
+
+async def test_max_new_tokens_zero_scores_the_prompt_only(
+    make_engine: EngineFactory, lively: Checkpoint
+) -> None:
+    engine = make_engine(prefill_budget=7)
+    ids = lively.tokenizer.encode(PROMPT)
+    events = await collect(engine, PROMPT, max_new_tokens=0, echo=True, prompt_logprobs=0)
+    assert len(events) == 1 and events[0].token_id is None
+    assert events[0].finish_reason is FinishReason.LENGTH
+    assert events[0].usage is not None and events[0].usage.generated_tokens == 0
+    check_scores(first_prompt(events), ids, reference(lively, ids), top_n=0)
+    with pytest.raises(InvalidRequest) as refused:  # nothing to do without scoring
+        await collect(engine, PROMPT, max_new_tokens=0)
+    assert refused.value.param == "max_new_tokens"
+
+
+async def test_a_scored_prompt_batched_with_plain_ones_changes_nobody(
+    make_engine: EngineFactory, lively: Checkpoint
+) -> None:
+    engine = make_engine(prefill_budget=6)
+    other = "a lazy dog sleeps in the"[: len(PROMPT)]
+    alone = token_ids(await collect(engine, other, max_new_tokens=6, temperature=0.0))
+    scored, plain = await asyncio.gather(
+        collect(engine, PROMPT, max_new_tokens=6, temperature=0.0, echo=True, prompt_logprobs=2),
+        collect(engine, other, max_new_tokens=6, temperature=0.0),
+    )
+    ids = lively.tokenizer.encode(PROMPT)
+    check_scores(first_prompt(scored), ids, reference(lively, ids), top_n=2)
+    assert token_ids(plain) == alone
+    assert all(e.prompt is None for e in plain)
+
+
+async def test_echo_without_logprobs_carries_the_prompt_unscored(
+    make_engine: EngineFactory, lively: Checkpoint
+) -> None:
+    engine = make_engine()
+    events = await collect(engine, PROMPT, max_new_tokens=2, temperature=0.0, echo=True)
+    prompt = first_prompt(events)
+    assert prompt.text == PROMPT
+    assert [t.text for t in prompt.tokens] == list(PROMPT)  # a char model: one token a character
+    assert all(t.logprob is None for t in prompt.tokens)
+
+
+async def test_choices_share_one_scored_prefill(make_engine: EngineFactory, lively: Checkpoint) -> None:
+    engine = make_engine(max_seqs=4, prefill_budget=5)
+    ids = lively.tokenizer.encode(PROMPT)
+    before = engine.stats().extra["prefill_tokens_total"]
+    params = SamplingParams(max_new_tokens=2, temperature=1.0, seed=3, echo=True, prompt_logprobs=1)
+    streams = await engine.generate_choices(PROMPT, params, 3)
+    want = reference(lively, ids)
+    for stream in streams:
+        events = [e async for e in stream]
+        check_scores(first_prompt(events), ids, want, top_n=1)
+    # The leader prefills the prompt once; each follower feeds only its last token.
+    assert engine.stats().extra["prefill_tokens_total"] - before == len(ids) + 2
+
+
+async def test_the_request_says_while_it_needs_prompt_logits(make_engine: EngineFactory) -> None:
+    """A prefix cache must not skip the prompt of a request still to score it."""
+    engine = make_engine(prefill_budget=5)
+    stream = await engine.generate(PROMPT, SamplingParams(max_new_tokens=1, echo=True, prompt_logprobs=0))
+    req = stream._request
+    assert req.needs_prompt_logits
+    _ = [e async for e in stream]
+    assert not req.needs_prompt_logits
+    plain = await engine.generate(PROMPT, SamplingParams(max_new_tokens=1, echo=True))
+    assert not plain._request.needs_prompt_logits  # echo alone scores nothing
+    _ = [e async for e in plain]
