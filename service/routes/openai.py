@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -177,6 +178,8 @@ async def completions(body: CompletionRequest, request: Request, engine: EngineD
     # best_of ranks by logprob: every generation reports its tokens' logprobs.
     params = _sampling_params(body, settings, max_tokens=max_tokens, extra_stop=[],
                               logprobs=body.logprobs is not None or generated > n, top_n=top_n)
+    if body.echo:
+        params = replace(params, echo=True, prompt_logprobs=body.logprobs)
     prompts = body.prompt_inputs()
     vocab = engine.tokenizer.vocab_size
     for prompt in prompts:
@@ -199,13 +202,16 @@ async def completions(body: CompletionRequest, request: Request, engine: EngineD
     results = []
     for p in range(len(prompts)):
         for done in best_of(dones[p * generated : (p + 1) * generated], n):
+            echoed = done.events[0].prompt  # set with echo
             logprobs = None
             if body.logprobs is not None:
                 builder = CompletionLogprobsBuilder(reply, top_n)
+                if echoed is not None:
+                    builder.add_prompt(echoed)
                 for event in done.tokens:
                     builder.add(event)
                 logprobs = builder.take()
-            results.append((done.text, done.final, logprobs))
+            results.append(((echoed.text if echoed else "") + done.text, done.final, logprobs))
     return completion_response(reply, results, usage)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from model.tokenizer import Tokenizer
 from service.engine.ids import new_id
-from service.engine.types import FinishReason, TokenEvent
+from service.engine.types import FinishReason, Prompt, TokenEvent
 from service.schemas.openai import (
     AssistantMessage,
     ChatChoice,
@@ -101,6 +101,21 @@ class CompletionLogprobsBuilder:
             v.top_logprobs.append(tops)
         v.text_offset.append(self.offset)
         self.offset += len(token)
+
+    def add_prompt(self, prompt: Prompt) -> None:
+        """An echoed prompt's tokens, ahead of the generated ones; the first has no logprob."""
+        v = self.value
+        for i, token in enumerate(prompt.tokens):
+            v.tokens.append(token.text)
+            v.token_logprobs.append(token.logprob)
+            if v.top_logprobs is not None:
+                tops: dict[str, float] | None = None
+                if i > 0 and token.logprob is not None:
+                    tops = {t.text: t.logprob for t in token.top_tokens[: self.top_n]}
+                    tops.setdefault(token.text, token.logprob)  # the prompt's token, as for generated ones
+                v.top_logprobs.append(tops)
+            v.text_offset.append(self.offset)
+            self.offset += len(token.text)
 
     def take(self) -> CompletionLogprobs:
         """What accumulated since the last call (the whole object for a non-streamed reply)."""
@@ -201,6 +216,13 @@ class CompletionChunks(_Chunks):
         return CompletionChoice(index=self.index, text="", finish_reason=reason)
 
     def _content(self, event: TokenEvent) -> Iterator[bytes]:
+        if event.prompt is not None:  # echo: the prompt first, in a chunk of its own (as vLLM sends it)
+            echoed = None
+            if self.logprobs is not None:
+                self.logprobs.add_prompt(event.prompt)
+                echoed = self.logprobs.take()
+            choice = CompletionChoice(index=self.index, text=event.prompt.text, logprobs=echoed)
+            yield self._envelope([choice])
         logprobs = None
         if self.logprobs is not None and event.token_id is not None:
             self.logprobs.add(event)

@@ -36,6 +36,7 @@ from service.schemas.tgi import (
     GenerateRequest,
     GenerateResponse,
     Info,
+    PrefillToken,
     SimpleToken,
     StreamDetails,
     StreamResponse,
@@ -105,6 +106,9 @@ def sampling_params(p: GenerateParameters, settings: Settings) -> SamplingParams
         truncate=p.truncate,
         grammar=tgi_grammar(p.grammar),
         grammar_param="parameters.grammar",
+        # The prompt scored in its prefill, only where the answer shows it (details.prefill).
+        echo=p.decoder_input_details and p.details,
+        prompt_logprobs=0 if p.decoder_input_details and p.details else None,
     )
 
 
@@ -123,6 +127,14 @@ def token_event_bytes(event: TokenEvent) -> bytes:
     token = {"id": event.token_id, "text": event.text, "logprob": event.logprob, "special": event.special}
     return sse_event({"index": event.index, "token": token, "top_tokens": None, "generated_text": None,
                       "details": None})
+
+
+def _prefill(done: Completed) -> list[PrefillToken]:
+    """details.prefill: the prompt's tokens (decoder_input_details), else empty."""
+    prompt = done.events[0].prompt
+    if prompt is None:
+        return []
+    return [PrefillToken(id=t.id, text=t.text, logprob=t.logprob) for t in prompt.tokens]
 
 
 def _top(tops: Iterable[TopToken], special_id: int | None) -> list[Token]:
@@ -159,6 +171,13 @@ def check_best_of(p: GenerateParameters, settings: Settings, streaming: bool) ->
     return best_of
 
 
+def check_stream_details(p: GenerateParameters) -> None:
+    """TGI refuses prompt details on a stream (router/src/validation.rs), in its words."""
+    if p.decoder_input_details:
+        raise APIError(422, "`decoder_input_details` == true is not supported when streaming tokens",
+                       code="invalid_decoder_input_details", param="parameters.decoder_input_details")
+
+
 def best_sequence(dones: list[Completed]) -> int:
     """TGI's pick (router/src/infer): the highest mean token logprob, the first of equals."""
 
@@ -189,7 +208,8 @@ async def _generate_json(request: Request, engine: EngineDep, body: GenerateRequ
     details = Details(
         finish_reason=seq.finish_reason, generated_tokens=seq.generated_tokens,
         prompt_tokens=usage.prompt_tokens, cropped_tokens=usage.cropped_tokens, seed=seq.seed,
-        tokens=seq.tokens, top_tokens=seq.top_tokens, best_of_sequences=others if best_of > 1 else None,
+        prefill=seq.prefill, tokens=seq.tokens, top_tokens=seq.top_tokens,
+        best_of_sequences=others if best_of > 1 else None,
     )
     return GenerateResponse(generated_text=seq.generated_text, details=details)
 
@@ -203,6 +223,7 @@ def _sequence(engine: EngineDep, p: GenerateParameters, prefix: str, done: Compl
         finish_reason=final.finish_reason.value,  # type: ignore[arg-type]  # ERROR/CANCELLED raised
         generated_tokens=usage.generated_tokens,
         seed=usage.seed if p.sampling() else None,  # TGI: no seed for greedy
+        prefill=_prefill(done),
         tokens=[_token(e) for e in done.tokens],
         top_tokens=[_top(e.top_tokens, eos) for e in done.tokens] if p.top_n_tokens else None,
     )
@@ -211,6 +232,7 @@ def _sequence(engine: EngineDep, p: GenerateParameters, prefix: str, done: Compl
 async def _generate_sse(request: Request, engine: EngineDep, body: GenerateRequest) -> Response:
     settings: Settings = request.app.state.settings
     check_best_of(body.parameters, settings, streaming=True)
+    check_stream_details(body.parameters)
     params = sampling_params(body.parameters, settings)
     gen = await start_generation(request, engine, body.inputs, params)
     prefix = body.inputs if body.parameters.return_full_text else ""

@@ -188,10 +188,13 @@ class CompletionRequest(GenerationRequest):
         "choice each, `index` in the order given)."
     )
     max_tokens: int | None = Field(
-        None, ge=1, le=MAX_COUNT, description="Tokens to generate; null or omitted: 16 (OpenAI's default)."
+        None, ge=0, le=MAX_COUNT, description="Tokens to generate; null or omitted: 16 (OpenAI's default). "
+        "0 (with `echo`) generates nothing: the prompt is echoed, and scored with `logprobs`."
     )
-    logprobs: int | None = Field(None, ge=0, le=20, description="Also return this many top alternatives.")
-    echo: bool = Field(False, description="Not supported (false only).")
+    logprobs: int | None = Field(None, ge=0, le=20, description="Also return this many top alternatives; "
+                                 "with `echo`, the prompt's tokens are scored too.")
+    echo: bool = Field(False, description="Prepend the prompt (as the model saw it) to each choice's text; "
+                       "with `logprobs`, its tokens lead the logprobs (the first token's logprob is null).")
     suffix: str | None = Field(None, description="Not supported (needs a fill-in-the-middle model).")
     best_of: int | None = Field(
         None, ge=1, le=MAX_CHOICES, description="Generate this many (at least n; no streaming) and return "
@@ -213,13 +216,6 @@ class CompletionRequest(GenerationRequest):
                     raise _invalid(f"token ids must be in [0, {MAX_COUNT}]")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise _unsupported("echo", "the response holds the completion only")
-        return v
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v: str | None) -> str | None:
@@ -234,6 +230,8 @@ class CompletionRequest(GenerationRequest):
             raise _invalid(f"best_of ({self.best_of}) must be at least n ({self.choices()})")
         if self.stream and self.best_of is not None and self.best_of > self.choices():
             raise _invalid("best_of greater than n cannot be streamed")
+        if self.max_tokens == 0 and not self.echo:
+            raise _invalid("max_tokens 0 generates nothing: it is allowed with echo (to score the prompt)")
         return self
 
     def prompt_inputs(self) -> list[str | list[int]]:
@@ -371,7 +369,7 @@ class Usage(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]] | None
+    top_logprobs: list[dict[str, float] | None] | None  # None for an echoed prompt's first token
     text_offset: list[int]
 
 

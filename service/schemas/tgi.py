@@ -64,8 +64,11 @@ class GenerateParameters(BaseModel):
     top_n_tokens: int | None = Field(
         default=None, ge=0, le=MAX_COUNT, description="Top alternatives per token."
     )
+    decoder_input_details: bool = Field(
+        default=False, description="With `details`, fill `details.prefill` with each prompt token and its "
+        "logprob (null for the first). Not with streaming (TGI's rule)."
+    )
     # TGI features not implemented: accepted only with their neutral value.
-    decoder_input_details: bool = Field(default=False, description="Not supported (false only).")
     watermark: bool = Field(default=False, description="Not supported (false only).")
     best_of: int | None = Field(
         default=None, ge=1, le=MAX_COUNT, description="Generate this many sequences (at most /info's "
@@ -93,7 +96,7 @@ class GenerateParameters(BaseModel):
                 )
         return stop
 
-    @field_validator("decoder_input_details", "watermark")
+    @field_validator("watermark")
     @classmethod
     def _false_only(cls, value: bool, info: ValidationInfo) -> bool:
         if value:
@@ -147,6 +150,14 @@ class Token(BaseModel):
     special: bool
 
 
+class PrefillToken(BaseModel):
+    """A prompt token in details.prefill (decoder_input_details), as TGI sends it."""
+
+    id: int
+    text: str
+    logprob: float | None = Field(description="Given the tokens before it; null for the first.")
+
+
 class BestOfSequence(BaseModel):
     """One of the sequences best_of generated and did not answer with (TGI's shape)."""
 
@@ -154,7 +165,7 @@ class BestOfSequence(BaseModel):
     finish_reason: FinishReasonName
     generated_tokens: int
     seed: int | None
-    prefill: list[Token] = Field(default_factory=list)
+    prefill: list[PrefillToken] = Field(default_factory=list)
     tokens: list[Token]
     top_tokens: list[list[Token]] | None = None
 
@@ -165,7 +176,8 @@ class Details(BaseModel):
     prompt_tokens: int = Field(description="Prompt tokens the model saw (after cropping/truncation).")
     cropped_tokens: int = Field(description="Prompt tokens dropped from the left to fit the window.")
     seed: int | None
-    prefill: list[Token] = Field(default_factory=list, description="Always empty (decoder_input_details).")
+    prefill: list[PrefillToken] = Field(default_factory=list, description="The prompt's tokens with "
+                                        "`decoder_input_details`, else empty.")
     tokens: list[Token]
     top_tokens: list[list[Token]] | None = None
     best_of_sequences: list[BestOfSequence] | None = None

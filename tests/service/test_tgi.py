@@ -147,7 +147,6 @@ async def test_long_prompt_is_cropped_to_the_window(client: AppClient) -> None:
         ({"stop": ["a", "b", "c"]}, "parameters.stop"),  # at most 2 here
         ({"top_n_tokens": 6}, "parameters.top_n_tokens"),  # at most 5 by default
         ({"watermark": True}, "parameters.watermark"),
-        ({"decoder_input_details": True}, "parameters.decoder_input_details"),
         ({"best_of": 2}, "best_of"),  # greedy: TGI requires sampling for best_of > 1
         ({"grammar": {"type": "yaml", "value": {}}}, "parameters.grammar"),
         ({"stop": [""]}, "parameters.stop"),
