@@ -19,6 +19,9 @@ $(VENV)/.installed: pyproject.toml $(wildcard $(NATIVE)/*.c $(NATIVE)/*.h $(NATI
 	# TGI's own client for the compatibility tests: its metadata pins huggingface_hub<1, which
 	# current transformers refuses, and it runs fine beside newer hub versions.
 	$(PIP) install --quiet --no-deps 'text-generation>=0.7,<1'
+	# LangChain's ChatOpenAI for the framework-client test, pinned: its dependencies are real
+	# (langchain-core, tiktoken, langsmith) and none of them moves what the server installs.
+	$(PIP) install --quiet 'langchain-openai==1.7.4' 'langchain-core==1.8.3'
 	touch $@
 
 install: $(VENV)/.installed

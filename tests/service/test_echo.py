@@ -132,7 +132,8 @@ def test_tgi_decoder_input_details_fills_prefill(
         r = http.post("/generate", json={"inputs": PROMPT, "parameters": plain})
         assert r.json()["details"]["prefill"] == []  # only when asked for
         asked = {"inputs": PROMPT, "parameters": {"decoder_input_details": True}}
-        streaming = (("/generate_stream", {}), ("/generate", {"stream": True}), ("/", {"stream": True}))
+        streaming: list[tuple[str, dict]] = [("/generate_stream", {}), ("/generate", {"stream": True}),
+                                             ("/", {"stream": True})]
         for route, body in streaming:
             r = http.post(route, json={**asked, **body})
             assert r.status_code == 422, (route, r.text)
