@@ -121,3 +121,32 @@ async def test_the_request_says_while_it_needs_prompt_logits(make_engine: Engine
     plain = await engine.generate(PROMPT, SamplingParams(max_new_tokens=1, echo=True))
     assert not plain._request.needs_prompt_logits  # echo alone scores nothing
     _ = [e async for e in plain]
+
+
+def test_a_request_preempted_mid_prompt_is_scored_again_from_its_start(lively: Checkpoint) -> None:
+    """Preemption forgets the cache: partial scores go too, and the re-prefill scores every row."""
+    from service.engine.config import EngineConfig
+    from service.engine.inbox import Inbox
+    from service.engine.prompt_scores import PromptScores
+    from service.engine.request import Request
+    from service.engine.scheduler import Scheduler
+
+    loop = asyncio.new_event_loop()
+    try:
+        ids = lively.tokenizer.encode(PROMPT)
+        req = Request("r", ids, SamplingParams(echo=True, prompt_logprobs=0), 0, 0, lively.tokenizer, loop,
+                      Inbox(loop, 1, lambda e: False))
+        scheduler = Scheduler(runner=None, tokenizer=lively.tokenizer, config=EngineConfig(),  # type: ignore[arg-type]
+                              window=32)
+        req.slot, req.n_cached = scheduler.free_slots.pop(0), 5
+        scheduler.running.append(req)
+        req.prompt_scores.extend(PromptScores([-1.0] * 5, [[]] * 5, [[]] * 5))  # the first chunk's
+        assert req.prompt_rows_to_score(5, 5) == 5  # the next chunk continues the scores
+        scheduler.preempt(req)
+        assert len(req.prompt_scores) == 0 and req.needs_prompt_logits
+        assert req.prompt_rows_to_score(0, 5) == 5
+        assert req.prompt_rows_to_score(5, 5) == 0  # not before the rows ahead of it are scored again
+        req.prompt_scores.extend(PromptScores([-1.0] * 20, [[]] * 20, [[]] * 20))
+        assert req.prompt_rows_to_score(20, 5) == len(ids) - 1 - 20  # the last row samples, scores nothing
+    finally:
+        loop.close()
