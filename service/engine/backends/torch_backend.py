@@ -15,7 +15,7 @@ from service.engine.packed_linear import pack_linears
 from service.engine.penalties import PenaltyState
 from service.engine.request import Request
 from service.engine.torch_decode import TorchDecodeStep
-from service.engine.work import WorkItem, logit_rows, needs_draw
+from service.engine.work import WorkItem, needs_draw
 
 
 class TorchBackend(Backend):
@@ -44,6 +44,9 @@ class TorchBackend(Backend):
         return f"torch {self.device.type} ({how})"
 
     def forward(self, items: Sequence[WorkItem]) -> torch.Tensor:
+        scoring = [item.scores > 0 for item in items]
+        if any(scoring) and not all(scoring):
+            return self._forward_mixed(items, scoring)
         t = len(items[0].tokens)
         slot_list = [item.req.slot for item in items]
         idx = torch.tensor([item.tokens for item in items], dtype=torch.long, device=self.device)
@@ -53,13 +56,29 @@ class TorchBackend(Backend):
         self.cache.prepare(slot_list, [item.start + t for item in items])
         if t == 1 and self.decode_step is not None:
             return self.decode_step(idx.view(-1), pos.view(-1), slots)
-        if not any(item.scores for item in items):
+        if not any(scoring):
             out = self.model(idx, input_pos=pos, cache=self.cache, slots=slots, last_only=True)
             return out[:, -1, :]  # type: ignore[no-any-return]
-        # Prompt logprobs: every position's logits of the items that score their prompt.
+        # Prompt logprobs: every item scores its prompt, so every position's logits are wanted.
         out = self.model(idx, input_pos=pos, cache=self.cache, slots=slots)  # (G, T, V)
-        rows = torch.tensor(logit_rows(items), dtype=torch.long, device=self.device)
-        return out.reshape(-1, out.shape[-1]).index_select(0, rows)  # type: ignore[no-any-return]
+        return out.reshape(-1, out.shape[-1])  # type: ignore[no-any-return]
+
+    def _forward_mixed(self, items: Sequence[WorkItem], scoring: list[bool]) -> torch.Tensor:
+        """Items that score their prompt and items that do not, as two forwards: the model
+        computes the output layer at every position or at the last one only, so one forward
+        would hold a vocabulary's worth of logits for every position of the others too."""
+        full = self.forward([it for it, s in zip(items, scoring, strict=True) if s])  # (S * T, V)
+        last = self.forward([it for it, s in zip(items, scoring, strict=True) if not s])  # (G - S, V)
+        t = len(items[0].tokens)
+        pieces, at_full, at_last = [], 0, 0
+        for s in scoring:  # work.logit_rows' order
+            if s:
+                pieces.append(full[at_full : at_full + t])
+                at_full += t
+            else:
+                pieces.append(last[at_last : at_last + 1])
+                at_last += 1
+        return torch.cat(pieces)
 
     def draw(self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor,
              penalties: PenaltyState) -> torch.Tensor:

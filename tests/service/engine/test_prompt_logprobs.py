@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from model.checkpoint import Checkpoint
+from service.engine.config import EngineConfig
+from service.engine.inbox import Inbox
+from service.engine.prompt_scores import PromptScores, prompt_of
+from service.engine.request import Request
+from service.engine.scheduler import Scheduler
 from service.engine.types import FinishReason, InvalidRequest, Prompt, SamplingParams, TokenEvent
+from service.engine.work import WorkItem
 from tests.service.engine.conftest import EngineFactory, collect, token_ids
 
 # 24 characters: longer than the prefill chunk the tests set (5), within the lively window (32).
@@ -123,19 +129,47 @@ async def test_the_request_says_while_it_needs_prompt_logits(make_engine: Engine
     _ = [e async for e in plain]
 
 
+def _request(lively: Checkpoint, text: str, params: SamplingParams, loop: asyncio.AbstractEventLoop,
+             slot: int = -1) -> Request:
+    req = Request(text, lively.tokenizer.encode(text), params, 0, 0, lively.tokenizer, loop,
+                  Inbox(loop, 1, lambda e: False))
+    req.slot = slot
+    return req
+
+
+async def test_scoring_and_plain_prompt_chunks_share_one_forward(
+    make_engine: EngineFactory, lively: Checkpoint
+) -> None:
+    """The runner driven directly (the engine is idle), so both items surely share each forward:
+    one scores its prompt, the other wants its last position's logits only."""
+    engine = make_engine(max_seqs=2)
+    loop = asyncio.get_running_loop()
+    other = "a lazy dog sleeps in the"
+    scored = _request(lively, PROMPT, SamplingParams(echo=True, prompt_logprobs=2), loop, slot=0)
+    plain = _request(lively, other, SamplingParams(), loop, slot=1)
+    assert len(scored.prompt_ids) == len(plain.prompt_ids) == 24
+    for start, stop in ((0, 10), (10, 24)):
+        items = [WorkItem(r, r.prompt_ids[start:stop], start, completes=stop == 24,
+                          scores=r.prompt_rows_to_score(start, stop - start)) for r in (scored, plain)]
+        forward = engine.runner.forward(items)
+        assert not forward.errors
+    assert forward.logits is not None and forward.rows == [0, 1]
+    want = reference(lively, scored.prompt_ids)
+    prompt = prompt_of(lively.tokenizer, scored.prompt_ids, scored.prompt_scores)
+    check_scores(prompt, scored.prompt_ids, want, top_n=2)
+    assert len(plain.prompt_scores) == 0
+    # Each item's sampling row is its last position's logits, whichever forward computed it.
+    torch.testing.assert_close(forward.logits[0].log_softmax(-1), want[-1], rtol=0, atol=1e-4)
+    torch.testing.assert_close(forward.logits[1].log_softmax(-1), reference(lively, plain.prompt_ids)[-1],
+                               rtol=0, atol=1e-4)
+
+
 def test_a_request_preempted_mid_prompt_is_scored_again_from_its_start(lively: Checkpoint) -> None:
     """Preemption forgets the cache: partial scores go too, and the re-prefill scores every row."""
-    from service.engine.config import EngineConfig
-    from service.engine.inbox import Inbox
-    from service.engine.prompt_scores import PromptScores
-    from service.engine.request import Request
-    from service.engine.scheduler import Scheduler
-
     loop = asyncio.new_event_loop()
     try:
         ids = lively.tokenizer.encode(PROMPT)
-        req = Request("r", ids, SamplingParams(echo=True, prompt_logprobs=0), 0, 0, lively.tokenizer, loop,
-                      Inbox(loop, 1, lambda e: False))
+        req = _request(lively, PROMPT, SamplingParams(echo=True, prompt_logprobs=0), loop)
         scheduler = Scheduler(runner=None, tokenizer=lively.tokenizer, config=EngineConfig(),  # type: ignore[arg-type]
                               window=32)
         req.slot, req.n_cached = scheduler.free_slots.pop(0), 5
