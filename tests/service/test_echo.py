@@ -156,3 +156,18 @@ def test_text_generation_client_reads_prefill(
     prefill = out.details.prefill
     assert [t.id for t in prefill] == ids and prefill[0].logprob is None
     assert prefill[-1].logprob == pytest.approx(lp[-2, ids[-1]].item(), abs=1e-4)
+
+
+def test_huggingface_hub_reads_prefill(
+    openai_server: ServerProcess, want: tuple[list[int], torch.Tensor]
+) -> None:
+    require_module("huggingface_hub")
+    from huggingface_hub import InferenceClient
+
+    ids, lp = want
+    client = InferenceClient(model=openai_server.base_url, token=OPENAI_API_KEY, timeout=60)
+    out = client.text_generation(PROMPT, max_new_tokens=2, details=True, decoder_input_details=True)
+    assert out.details is not None and out.details.prefill is not None
+    prefill = out.details.prefill
+    assert [t.id for t in prefill] == ids and prefill[0].logprob is None
+    assert prefill[1].logprob == pytest.approx(lp[0, ids[1]].item(), abs=1e-4)
