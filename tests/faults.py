@@ -55,8 +55,11 @@ class FaultyBackend(Backend):
             raise InjectedFault("injected fault (raise)")
         logits = self.inner.forward(items)
         if hit:
+            # Rows as work.logit_rows returns them: every position of an item scoring its prompt.
+            widths = [len(item.tokens) if item.scores else 1 for item in items]
+            owners = [j for j, width in enumerate(widths) for _ in range(width)]
             logits = logits.clone()
-            logits[hit] = float("nan")
+            logits[[r for r, j in enumerate(owners) if j in hit]] = float("nan")
         return logits
 
     def draw(self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor,

@@ -9,6 +9,7 @@ never O(prompt x vocabulary), and no second forward runs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -39,12 +40,18 @@ class PromptScores:
 
 def reduce_rows(logits: torch.Tensor, next_ids: list[int], top_n: int, usable_vocab: int) -> PromptScores:
     """Rows of raw logits (R, V) and the token that followed each row's position -> that token's
-    logprob and the top `top_n` (ids, logprobs) of each row. Ids the tokenizer cannot decode
+    logprob and the top `top_n` (ids, logprobs) of each row; FloatingPointError if a logprob is
+    not finite. Ids the tokenizer cannot decode
     (nanoGPT's vocabulary padding) take no probability; logit_bias and grammars do not apply
     (prompt logprobs are the model's own, as vLLM reports them)."""
     lp = torch.log_softmax(logits[:, :usable_vocab].float(), dim=-1)  # (R, usable)
     ids = torch.tensor(next_ids, dtype=torch.long, device=lp.device).view(-1, 1)
     out = PromptScores(logprobs=lp.gather(1, ids).view(-1).tolist())
+    # Finite logits give finite log-softmax values: anything else is a model fault, which fails
+    # the request as a non-finite generated row does (and JSON has no NaN to send).
+    bad = next((i for i, v in enumerate(out.logprobs) if not math.isfinite(v)), None)
+    if bad is not None:
+        raise FloatingPointError(f"the model produced non-finite logits (NaN/inf) scoring prompt row {bad}")
     if top_n > 0:
         values, top = lp.topk(min(top_n, lp.shape[1]), dim=-1)
         out.top_ids, out.top_logprobs = top.tolist(), values.tolist()

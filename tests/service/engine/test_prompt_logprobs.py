@@ -184,3 +184,17 @@ def test_a_request_preempted_mid_prompt_is_scored_again_from_its_start(lively: C
         assert req.prompt_rows_to_score(20, 5) == len(ids) - 1 - 20  # the last row samples, scores nothing
     finally:
         loop.close()
+
+
+async def test_non_finite_prompt_logits_fail_that_request_alone(make_engine: EngineFactory) -> None:
+    from tests.faults import injected_faults
+
+    with injected_faults("nan:POISON"):
+        engine = make_engine(max_seqs=2, prefill_budget=5)
+    poisoned, fine = await asyncio.gather(
+        collect(engine, "the POISON jump", max_new_tokens=0, echo=True, prompt_logprobs=1),
+        collect(engine, "the quick jumps", max_new_tokens=2, temperature=0.0, echo=True, prompt_logprobs=1),
+    )
+    assert poisoned[-1].finish_reason is FinishReason.ERROR and "non-finite" in (poisoned[-1].error or "")
+    assert fine[-1].finish_reason is FinishReason.LENGTH and len(token_ids(fine)) == 2
+    assert all(t.logprob is not None for t in first_prompt(fine).tokens[1:])
