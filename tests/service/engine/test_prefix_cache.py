@@ -204,3 +204,38 @@ async def test_deterministic_mode_reuses_only_on_a_batch_invariant_backend(
     engine = make_engine(deterministic=True)
     assert engine.info()["prefix_cache"] is (backend == "native")
     assert make_engine(prefix_cache=False).info()["prefix_cache"] is False
+
+
+async def test_a_preempted_request_copies_back_what_a_running_twin_holds(
+    make_engine: EngineFactory, wide: Checkpoint, backend: str
+) -> None:
+    # Client a runs the same greedy prompt twice in both slots; b arrives and one of a's steps
+    # aside. When it comes back, its twin's cache holds its whole context (the same tokens, no
+    # crop in the 96-token window): it copies it, and still generates what the prompt does alone.
+    alone = await _run(make_engine(wide, prefix_cache=False), "Hello", 80)
+    engine = make_engine(wide, max_seqs=2, max_queue=8)
+    params = SamplingParams(max_new_tokens=80, **GREEDY)
+    streams = [await engine.generate("Hello", params, client="a") for _ in range(2)]
+    while engine.stats().running < 2 or engine.scheduler.generated_tokens < 40:
+        await asyncio.sleep(0.005)
+    other = await engine.generate("xyz", SamplingParams(max_new_tokens=3), client="b")
+    assert [e async for e in other][-1].finish_reason is FinishReason.LENGTH
+    for stream in streams:
+        _same([e async for e in stream], alone, backend)
+    stats = engine.stats().extra
+    assert stats["preemptions_total"] == 1
+    # At admission the second "Hello" could copy at most 4 tokens; the return copies 20 and more.
+    assert stats["prefix_cache_reused_tokens_total"] >= 20
+
+
+async def test_a_request_wanting_every_prompt_position_reuses_nothing(
+    make_engine: EngineFactory, wide: Checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.engine import scheduler
+
+    monkeypatch.setattr(scheduler, "wants_every_prompt_position", lambda req: True)
+    engine = make_engine(wide)
+    first = await _run(engine, "Hello there", 6)
+    await _run(engine, "Hello there" + "".join(e.text for e in first), 6)
+    stats = engine.stats().extra
+    assert (stats["prefix_cache_lookups_total"], stats["prefix_cache_reused_tokens_total"]) == (0, 0)
