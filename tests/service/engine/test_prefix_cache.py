@@ -15,6 +15,7 @@ from service.engine.request import Request
 from service.engine.types import FinishReason, SamplingParams, TokenEvent
 from tests.faults import injected_faults
 from tests.service.engine.conftest import EngineFactory, make_lively_checkpoint
+from tests.service.engine.test_llama_family import lively_llama  # noqa: F401  # a fixture
 
 GREEDY = {"temperature": 0.0, "stop_on_eos": False, "logprobs": True}
 
@@ -239,3 +240,31 @@ async def test_a_request_wanting_every_prompt_position_reuses_nothing(
     await _run(engine, "Hello there" + "".join(e.text for e in first), 6)
     stats = engine.stats().extra
     assert (stats["prefix_cache_lookups_total"], stats["prefix_cache_reused_tokens_total"]) == (0, 0)
+
+
+@pytest.mark.backends("native")
+async def test_bfloat16_weights_and_cache_reuse_the_same_bits(
+    make_engine: EngineFactory, wide: Checkpoint, backend: str
+) -> None:
+    # A bf16 model keeps its KV cache in bf16: a reused prefix is the same rounded numbers.
+    engines = [make_engine(wide, dtype="bfloat16", prefix_cache=on) for on in (True, False)]
+    first = [await _run(e, "Hello there, how are you?", 10) for e in engines]
+    follow = "Hello there, how are you?" + "".join(e.text for e in first[0]) + " Good."
+    second = [await _run(e, follow, 10) for e in engines]
+    _same(*first, backend)
+    _same(*second, backend)
+    assert engines[0].stats().extra["prefix_cache_hits_total"] == 1
+
+
+@pytest.mark.backends("torch", "torch-cuda")  # where the Llama family runs
+async def test_rotary_positions_reuse_a_prefix_at_its_positions(
+    make_engine: EngineFactory, lively_llama: Checkpoint, backend: str  # noqa: F811
+) -> None:
+    # Rotary keys are rotated by their absolute position in the slot: a reused prefix keeps them.
+    engines = [make_engine(lively_llama, prefix_cache=on) for on in (True, False)]
+    first = [await _run(e, "Hi there", 8) for e in engines]
+    follow = "Hi there" + "".join(e.text for e in first[0]) + " ok"
+    second = [await _run(e, follow, 8) for e in engines]
+    _same(*first, backend)
+    _same(*second, backend)
+    assert engines[0].stats().extra["prefix_cache_reused_tokens_total"] == len("Hi there") + 8 - 1
