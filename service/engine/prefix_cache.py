@@ -11,8 +11,8 @@ the slot sharing the longest prefix with its prompt), a sequence that ends leave
   that slot and nothing is lost;
 - otherwise the matched keys and values are copied (`SpanKVCache.copy_prefix`) into the slot that
   costs least to take, so a partly matching slot stays warm for whoever matches it better;
-- a slot is taken cold first (the lowest: batches stay dense), else the warm one released longest
-  ago: the cache itself is the bound, and eviction is least recently released.
+- a slot is taken cold first (the lowest: batches stay dense), else the warm one used longest ago
+  (released, or copied from): the cache itself is the bound, and eviction is least recently used.
 The request then starts with those positions cached; its last prompt token is always fed again,
 since its logits give the first draw.
 
@@ -72,7 +72,7 @@ class PrefixCache:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._tokens: dict[int, list[int]] = {}  # warm free slot -> tokens at its positions 0..
-        self._released: dict[int, int] = {}  # warm free slot -> when released (least recent first)
+        self._released: dict[int, int] = {}  # warm free slot -> when last released or copied from
         self._clock = 0
         self.lookups = 0  # placements that looked for a prefix
         self.hits = 0  # of those, placements that reused at least one token
@@ -101,7 +101,7 @@ class PrefixCache:
 
     def cheapest(self, free: list[int]) -> int:
         """The free slot whose contents are worth least: a cold one (the lowest), else the warm one
-        released longest ago."""
+        used longest ago."""
         cold = [s for s in free if s not in self._tokens]
         return min(cold) if cold else min(free, key=self._released.__getitem__)
 
@@ -131,4 +131,9 @@ class PrefixCache:
         if whole:  # the slot's whole content leads the context: take it, nothing is lost
             return Placement(best, best_n)
         target = self.cheapest(free)
-        return Placement(target, best_n, None if target == best else best)
+        if target == best:
+            return Placement(best, best_n)
+        if best in self._released:  # a warm slot that serves copies (a shared system prompt) is kept
+            self._clock += 1
+            self._released[best] = self._clock
+        return Placement(target, best_n, source=best)

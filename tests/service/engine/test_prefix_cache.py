@@ -56,9 +56,17 @@ def test_a_partial_match_is_copied_so_the_warm_slot_survives() -> None:
     cache.remember(0, [1, 2, 3, 4])
     # Only [1, 2] is shared: copied into the cold slot 1, slot 0 keeps its four tokens.
     assert cache.place([1, 2, 9], [0, 1], []) == Placement(1, 2, source=0)
-    # With no cold slot left the slot released longest ago is taken; if that is the match, in place.
+    # With no cold slot left the slot used longest ago is taken; if that is the match, in place.
     cache.remember(1, [5, 6])
     assert cache.place([1, 2, 9], [0, 1], []) == Placement(0, 2)
+
+
+def test_a_slot_copied_from_counts_as_recently_used() -> None:
+    cache = PrefixCache(enabled=True)
+    cache.remember(0, [1, 2, 3, 4])  # a shared system prompt, say
+    cache.remember(1, [5, 6])
+    assert cache.place([1, 2, 9], [0, 1, 2], []) == Placement(2, 2, source=0)  # slot 1 is the older now
+    assert cache.place([7, 7], [0, 1], []) == Placement(1)
 
 
 def test_the_last_prompt_token_is_always_fed() -> None:
@@ -68,7 +76,7 @@ def test_the_last_prompt_token_is_always_fed() -> None:
     assert cache.place([1], [0], []) == Placement(0, 0)
 
 
-def test_no_match_takes_a_cold_slot_then_the_least_recently_released() -> None:
+def test_no_match_takes_a_cold_slot_then_the_least_recently_used() -> None:
     cache = PrefixCache(enabled=True)
     cache.remember(0, [1, 2])
     cache.remember(2, [3, 4])
@@ -151,7 +159,7 @@ async def test_concurrent_prompts_sharing_a_prefix(
     assert stats["prefix_cache_reused_tokens_total"] == 5 * len(system)
 
 
-async def test_more_prompts_than_slots_evict_the_least_recently_released(
+async def test_more_prompts_than_slots_evict_the_least_recently_used(
     make_engine: EngineFactory, wide: Checkpoint, backend: str
 ) -> None:
     engines = [make_engine(wide, max_seqs=2, prefix_cache=on) for on in (True, False)]
