@@ -77,6 +77,8 @@ class Scheduler:
         return bool(self.free_slots)
 
     def admit(self, req: Request, now: float) -> None:
+        """Seat `req` (and its followers) in free slots; `req` starts with whatever prefix of its
+        context the prefix cache holds already in place."""
         if wants_every_prompt_position(req):
             self._seat(req, self.prefix.cheapest(self.free_slots), now)
         else:
