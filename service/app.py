@@ -77,6 +77,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         shift_keep=settings.shift_keep,
         reject_long_prompts=settings.reject_long_prompts,
         deterministic=settings.deterministic,
+        prefix_cache=settings.prefix_cache,
         cpu_threads=settings.cpu_threads,
         compile=settings.compile,
         backend=settings.backend,

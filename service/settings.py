@@ -74,6 +74,11 @@ class Settings(BaseSettings):
     shift_keep: int | None = Field(default=None, ge=1, description="Tokens kept on a context shift.")
     reject_long_prompts: bool = Field(default=False, description="422 instead of cropping over-long prompts.")
     deterministic: bool = Field(default=False, description="Same tokens alone or batched (slower).")
+    prefix_cache: bool = Field(
+        default=True,
+        description="Reuse the KV cache a finished request leaves in its slot for a prompt that starts "
+        "with the same tokens (a chat turn prefills only what is new).",
+    )
     cpu_threads: int | None = Field(
         default=None, ge=1,
         description="CPU threads for the model (default: OMP_NUM_THREADS, else every CPU the "

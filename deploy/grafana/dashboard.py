@@ -164,8 +164,9 @@ def scheduler_errors_process(d: Layout) -> None:
         ("KV cache memory", "Bytes allocated for the KV cache, per replica.",
          [(f"nanoserve_kv_cache_bytes{{{SEL}}}", "{{instance}}")], "bytes"),
         ("Prefill work", "Tokens run through prefill per second (re-prefills after context shifts included), "
-         "and context shifts per second.",
+         "prompt tokens a cached prefix spared per second, and context shifts per second.",
          [(f"sum({rate('nanoserve_engine_prefill_tokens_total')})", "prefill tokens / s"),
+          (f"sum({rate('nanoserve_engine_prefix_cache_reused_tokens_total')})", "reused prompt tokens / s"),
           (f"sum({rate('nanoserve_engine_context_shifts_total')})", "context shifts / s")], "none"),
     ])
     d.row("Errors and outcomes")

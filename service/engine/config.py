@@ -57,6 +57,10 @@ class EngineConfig:
     # max_seqs x max_context tokens, so this bounds its memory for long-context models.
     max_context: int | None = None
     deterministic: bool = False  # every row computed alone: bit-identical alone vs batched
+    # Reuse the KV cache a finished sequence leaves in its slot for a prompt that starts with the
+    # same tokens (prefix_cache.py): a chat turn prefills only what is new. Off in deterministic
+    # mode on a backend that is not batch-invariant (the torch one).
+    prefix_cache: bool = True
     # CPU threads the engine thread may use (None: OMP_NUM_THREADS, else every CPU this process
     # may run on). Other threads stay single-threaded (see threads.py).
     cpu_threads: int | None = None

@@ -307,6 +307,11 @@ class Engine:
                 "preemptions_total": float(s.preemptions),
                 # Prompt tokens of n > 1 / best_of choices copied from one prefill, not recomputed.
                 "prefill_tokens_shared_total": float(s.shared_prefill_tokens),
+                # Prompt prefix reuse (prefix_cache.py): placements that looked, that reused, and
+                # the prompt tokens they did not prefill.
+                "prefix_cache_lookups_total": float(s.prefix.lookups),
+                "prefix_cache_hits_total": float(s.prefix.hits),
+                "prefix_cache_reused_tokens_total": float(s.prefix.reused_tokens),
             },
         )
 
@@ -331,6 +336,7 @@ class Engine:
             "shift_keep": self.config.keep_tokens(self.window),
             "reject_long_prompts": self.config.reject_long_prompts,
             "deterministic": self.config.deterministic,
+            "prefix_cache": self.scheduler.prefix.enabled,  # off when deterministic on torch
             "cpu_threads": self.runner.cpu_threads,
             # Forward size (tokens, rounded up to a power of two) -> threads the tuner chose.
             "cpu_threads_by_forward_size": {str(k): v for k, v in self.runner.threads.choices().items()},

@@ -24,6 +24,7 @@ import torch
 
 from model.tokenizer import Tokenizer
 from service.engine.config import EngineConfig
+from service.engine.prefix_cache import PrefixCache, wants_every_prompt_position
 from service.engine.request import Request
 from service.engine.runner import ModelRunner
 from service.engine.types import FinishReason, TokenEvent, TopToken
@@ -62,6 +63,10 @@ class Scheduler:
         self.generated_tokens = 0
         self.prefilled_tokens = 0
         self.shared_prefill_tokens = 0  # prompt tokens a choice copied from its leader's slot
+        # Prompt prefix reuse (prefix_cache.py). Deterministic mode promises the same bits whatever
+        # the batch: a backend whose numbers depend on the forward's shape cannot keep it with reuse.
+        reuse = config.prefix_cache and (not config.deterministic or runner.backend.batch_invariant)
+        self.prefix = PrefixCache(enabled=reuse)
 
     def fits(self, req: Request) -> bool:
         """Whether `req` and its followers (one slot per choice) can all be admitted now."""
@@ -72,18 +77,36 @@ class Scheduler:
         return bool(self.free_slots)
 
     def admit(self, req: Request, now: float) -> None:
-        req.slot = self.free_slots.pop(0)
+        """Seat `req` (and its followers) in free slots; `req` starts with whatever prefix of its
+        context the prefix cache holds already in place."""
+        if wants_every_prompt_position(req):
+            self._seat(req, self.prefix.cheapest(self.free_slots), now)
+        else:
+            # Placed where the longest prefix of its context is cached (prefix_cache.py).
+            place = self.prefix.place(req.ctx, self.free_slots, self.running)
+            if place.source is not None:
+                self.runner.cache.copy_prefix(place.source, place.slot, place.reuse)
+            self._seat(req, place.slot, now)
+            req.n_cached = place.reuse
+        for follower in req.followers:  # each holds its slot, idle until the leader shares
+            self._seat(follower, self.prefix.cheapest(self.free_slots), now)
+
+    def _seat(self, req: Request, slot: int, now: float) -> None:
+        self.free_slots.remove(slot)
+        self.prefix.forget(slot)
+        req.slot = slot
         req.scheduled_at = now
         self.running.append(req)
         self.runner.reset_slot(req)
-        for follower in req.followers:  # each holds its slot, idle until the leader shares
-            follower.slot = self.free_slots.pop(0)
-            follower.scheduled_at = now
-            self.running.append(follower)
-            self.runner.reset_slot(follower)
 
-    def release(self, req: Request) -> None:
+    def release(self, req: Request, reusable: bool = True) -> None:
+        """Give back `req`'s slot; unless `reusable` is False (its cache may hold garbage), the slot
+        remembers the tokens its cache holds for a later prompt to reuse."""
         if req.slot >= 0:
+            if reusable:
+                self.prefix.remember(req.slot, req.ctx[: req.n_cached])
+            else:
+                self.prefix.forget(req.slot)
             self.free_slots.append(req.slot)
             self.free_slots.sort()  # lowest first: batches stay dense in the cache
             req.slot = -1
@@ -107,9 +130,9 @@ class Scheduler:
         leader.followers = []
 
     def preempt(self, req: Request) -> None:
-        """Take `req`'s slot back for another client; its cache is forgotten, and when admitted
-        again it re-prefills its context and goes on drawing the same tokens (a draw depends on
-        the request's seed and step only)."""
+        """Take `req`'s slot back for another client; when admitted again it re-prefills its
+        context (less what the prefix cache still holds of it) and goes on drawing the same tokens
+        (a draw depends on the request's seed and step only)."""
         self.release(req)
         req.n_cached = 0
         if req.needs_prompt_logits:  # scored again from the start with the re-prefill
@@ -146,7 +169,8 @@ class Scheduler:
             self._end(req, result, req.final_event(FinishReason.ERROR, now, error=message))
 
     def _end(self, req: Request, result: StepResult, event: TokenEvent) -> None:
-        self.release(req)
+        # A failed forward or non-finite logits: the slot's cache is not worth reusing.
+        self.release(req, reusable=event.finish_reason is not FinishReason.ERROR)
         result.events.append((req, event))
 
     def plan(self) -> list[WorkItem]:

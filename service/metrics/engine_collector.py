@@ -57,6 +57,13 @@ class StatsSource(Protocol):
     def info(self) -> dict[str, Any]: ...
 
 
+# Prompt prefix reuse (service/engine/prefix_cache.py); the hit rate is hits over lookups.
+_PREFIX_CACHE_COUNTERS = {
+    "prefix_cache_lookups": "Requests placed in a KV slot with a look for a cached prefix of their prompt.",
+    "prefix_cache_hits": "Of those, requests that reused a cached prefix (at least one token).",
+    "prefix_cache_reused_tokens": "Prompt tokens not prefilled: their keys and values were reused.",
+}
+
 MODEL_INFO_LABELS = ("checkpoint", "parameters", "device", "dtype", "window")
 
 
@@ -102,6 +109,9 @@ class EngineCollector(Collector):
                 values["nanoserve_engine_preemptions"] = stats.extra["preemptions_total"]
             if "prefill_tokens_shared_total" in stats.extra:
                 values["nanoserve_engine_prefill_tokens_shared"] = stats.extra["prefill_tokens_shared_total"]
+            for key in _PREFIX_CACHE_COUNTERS:
+                if f"{key}_total" in stats.extra:
+                    values[f"nanoserve_engine_{key}"] = stats.extra[f"{key}_total"]
         except Exception:  # missing scheduler gauges, never stale or made-up ones; the scrape still works
             log.exception("reading engine stats for /metrics failed")
         for family in families:
@@ -136,6 +146,8 @@ class EngineCollector(Collector):
             "nanoserve_engine_prefill_tokens_shared",
             "Prompt tokens not recomputed: copied from one choice's prefill to the others (n, best_of).",
         ))
+        families += [CounterMetricFamily(f"nanoserve_engine_{key}", text)
+                     for key, text in _PREFIX_CACHE_COUNTERS.items()]
         families.append(
             GaugeMetricFamily("nanoserve_model_info", "The served model; always 1.", labels=MODEL_INFO_LABELS)
         )

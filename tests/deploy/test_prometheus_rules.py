@@ -50,7 +50,9 @@ def test_alert_rules_pass_their_unit_tests() -> None:
 def exported_series_names() -> set[str]:
     """Every sample name a nanoserve /metrics can carry, from the registry's metric families."""
     metrics = Metrics()
-    extra = {"context_shifts_total": 0.0, "preemptions_total": 0.0, "prefill_tokens_shared_total": 0.0}
+    extra = {"context_shifts_total": 0.0, "preemptions_total": 0.0, "prefill_tokens_shared_total": 0.0,
+             "prefix_cache_lookups_total": 0.0, "prefix_cache_hits_total": 0.0,
+             "prefix_cache_reused_tokens_total": 0.0}
     metrics.bind_engine(FakeEngine(EngineStats(0, 0, 0, 4, 0, extra=extra)))
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     names: set[str] = set()
