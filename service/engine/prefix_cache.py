@@ -63,8 +63,8 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
 def wants_every_prompt_position(req: Request) -> bool:
     """Whether the request needs the logits of every prompt position (prompt logprobs: TGI's
     `decoder_input_details`, OpenAI's `echo` with `logprobs`): a reused prefix computes none of
-    them, so such a request is placed without reuse. No request asks for them yet."""
-    return False
+    them, so such a request is placed without reuse."""
+    return req.needs_prompt_logits
 
 
 class PrefixCache:

@@ -240,17 +240,24 @@ async def test_a_preempted_request_copies_back_what_a_running_twin_holds(
     assert stats["prefix_cache_reused_tokens_total"] >= 20
 
 
-async def test_a_request_wanting_every_prompt_position_reuses_nothing(
-    make_engine: EngineFactory, wide: Checkpoint, monkeypatch: pytest.MonkeyPatch
+async def test_a_request_scoring_its_prompt_reuses_nothing(
+    make_engine: EngineFactory, wide: Checkpoint, backend: str
 ) -> None:
-    from service.engine import scheduler
-
-    monkeypatch.setattr(scheduler, "wants_every_prompt_position", lambda req: True)
-    engine = make_engine(wide)
-    first = await _run(engine, "Hello there", 6)
-    await _run(engine, "Hello there" + "".join(e.text for e in first), 6)
-    stats = engine.stats().extra
-    assert (stats["prefix_cache_lookups_total"], stats["prefix_cache_reused_tokens_total"]) == (0, 0)
+    # Prompt logprobs need every prompt position's logits: a warm prefix must not skip any.
+    engines = [make_engine(wide, prefix_cache=on) for on in (True, False)]
+    scored = SamplingParams(max_new_tokens=4, echo=True, prompt_logprobs=2, **GREEDY)
+    results = []
+    for engine in engines:
+        first = await _run(engine, "Hello there", 6)
+        follow = "Hello there" + "".join(e.text for e in first)
+        results.append([e async for e in await engine.generate(follow, scored)])
+    assert engines[0].stats().extra["prefix_cache_reused_tokens_total"] == 0
+    with_cache, without = (events[0].prompt for events in results)
+    assert with_cache is not None and without is not None
+    assert len(with_cache.tokens) == len(without.tokens) > 6
+    got, want = ([t.logprob for t in p.tokens] for p in (with_cache, without))
+    assert got == pytest.approx(want, abs=1e-4)
+    _same(*results, backend)
 
 
 @pytest.mark.backends("native")
