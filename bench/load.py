@@ -52,6 +52,7 @@ class LoadConfig:
     # servers with different tokenizers see the same tokens (bench/server_vs_llama.py)
     prompt_ids: list[list[int]] | None = field(default=None, repr=False)
     top_k: int | None = None  # completions route: sent when set (an extension both servers take)
+    extra: dict[str, Any] = field(default_factory=dict)  # completions route: more body fields
     max_new_tokens: int = 32
     # Request i asks for max_new_tokens + an offset cycling through -spread..spread (the same
     # mean): streams of different lengths end in different steps, as real traffic's do, instead
@@ -184,6 +185,7 @@ def _completions_body(config: LoadConfig, index: int, seed: int | None) -> dict[
     }
     if config.top_k is not None:
         body["top_k"] = config.top_k
+    body.update(config.extra)
     if seed is not None:
         body["seed"] = seed
     if config.model is not None:

@@ -14,7 +14,8 @@ threads; nanoserve with max_seqs slots of max_context tokens and as many CPU thr
 
 Load (bench/load.py, from this process): OpenAI-style streaming /v1/completions, a prompt of
 random token ids (a different one per request, the same list for both servers, so neither server's
-prompt cache helps), `--max-new-tokens` new tokens, temperature 1, top_k 40, request i seeded
+prompt cache helps), `--max-new-tokens` new tokens, temperature 1, top_k 40 (top_p 1 and min_p 0
+sent explicitly: llama-server's defaults differ), request i seeded
 with i; at each concurrency c, max(8, 2c) requests after a warm-up of c. Each round starts each
 server once per dtype (who goes first alternates between rounds) and measures every concurrency.
 Reports tokens/s, TTFT p50/p99 and inter-token p50/p99 per server and the ratio
@@ -43,6 +44,9 @@ from bench.server_vs_llama_report import WAYS, figures, render
 from bench.shapes import SHAPES, make_checkpoint, random_prompts
 
 DTYPES = ("bfloat16", "float32", "int8")
+# Sent explicitly: llama-server's defaults are top_p 0.95 and min_p 0.05, nanoserve's 1 and off;
+# the same sampling maths on both sides (temperature 1, top_k 40, nothing else).
+SAMPLING = {"top_p": 1.0, "min_p": 0.0}
 GGUF_TYPE = {"bfloat16": "bfloat16", "float32": "float32", "int8": "q8_0"}  # -> bench/gguf_convert.py
 
 
@@ -106,7 +110,7 @@ def _loads(url: str, args: argparse.Namespace, concs: list[int], prompts: list[l
     def load(conc: int, requests: int) -> dict[str, Any]:
         config = LoadConfig(url=url, route="completions", concurrency=conc, requests=requests,
                             max_new_tokens=args.max_new_tokens, temperature=1.0, top_k=40, seed=0,
-                            prompt_ids=prompts)
+                            prompt_ids=prompts, extra=SAMPLING)
         return figures(run_loop(run_load(config)).summary())
 
     out = {}

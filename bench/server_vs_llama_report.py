@@ -82,7 +82,8 @@ def render(meta: dict[str, Any], runs: dict[str, dict[int, dict[str, list[dict[s
           f"nanoserve: max_seqs {a['slots']}, max_context {a['slot_context']}, {a['threads']} threads). "
           f"Model: random weights of the {a['shape']} shape, the same weights in both servers. Load: "
           f"streaming /v1/completions, {a['prompt_tokens']}-token prompts (token ids, a different "
-          f"prompt per request), {a['max_new_tokens']} new tokens, temperature 1, top_k 40; "
+          f"prompt per request), {a['max_new_tokens']} new tokens, temperature 1, top_k 40 "
+          f"(top_p 1, min_p 0); "
           f"{a['rounds']} rounds, the servers alternating. Each cell: median (min-max over rounds).\n")
     payload: dict[str, Any] = {"meta": meta, "unavailable": unavailable, "cells": {}}
     for dtype, by_conc in runs.items():

@@ -93,11 +93,11 @@ def test_a_completion_stream_without_done_is_cut() -> None:
 
 def test_completions_requests_send_token_ids_and_top_k() -> None:
     config = LoadConfig(url="http://x", route="completions", prompt_ids=[[1, 2], [3, 4]], top_k=40, seed=5,
-                        max_new_tokens=64)
+                        max_new_tokens=64, extra={"min_p": 0.0})
     path, body = build_request(config, 3)
     assert path == "/v1/completions"
-    assert (body["prompt"], body["top_k"], body["seed"], body["max_tokens"], body["stream"]) == (
-        [3, 4], 40, 8, 64, True)
+    sent = tuple(body[k] for k in ("prompt", "top_k", "seed", "max_tokens", "stream", "min_p"))
+    assert sent == ([3, 4], 40, 8, 64, True, 0.0)
 
 
 def _summary(tps: float, ttft: float, outcomes: dict[str, int] | None = None) -> dict[str, object]:
