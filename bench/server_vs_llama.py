@@ -7,7 +7,8 @@ same load, the two servers alternating.
 The model is bench/shapes.py's random weights of the shape (GPT-2 124M, or SmolLM2-135M's
 Llama-family shape): nanoserve serves its checkpoint; llama.cpp serves the same weights exported
 to a Hugging Face directory and converted by its own convert_hf_to_gguf.py (bench/gguf_convert.py):
-float32 -> f32, bfloat16 -> bf16, int8 -> q8_0. llama.cpp is built from source first when missing
+float32 -> f32, bfloat16 -> bf16, int8 -> q8_0 (nanoserve: `--quantize int8` where `nanoserve
+serve` offers it, beside `--int8-dtype` bfloat16). llama.cpp is built from source first when missing
 (bench/llama_cpp_build.py). Both servers run on 127.0.0.1 with the same capacity: llama-server
 with continuous batching, `--parallel` slots of `--slot-context` tokens each and `--threads`
 threads; nanoserve with max_seqs slots of max_context tokens and as many CPU threads.
@@ -63,8 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--slot-context", type=int, default=256, help="tokens per slot, both servers")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--nanoserve-int8-args", default="",
-                    help="the `nanoserve serve` options that serve int8 weights; without them the int8 "
-                         "rows measure llama.cpp q8_0 only")
+                    help="the `nanoserve serve` options that serve int8 weights (default: `--quantize "
+                         "int8` when `nanoserve serve --help` offers it; else the int8 rows measure "
+                         "llama.cpp q8_0 only)")
+    ap.add_argument("--int8-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="nanoserve's dtype beside int8 weights (embeddings, activations, KV cache)")
     ap.add_argument("--machine", default=None, help="results name tag (default: from the CPU's name)")
     ap.add_argument("--out", default=None, help="results path without suffix")
     return ap
@@ -75,11 +79,15 @@ def machine_tag(cpu: str) -> str:
 
 
 def nanoserve_int8(args: argparse.Namespace) -> str | None:
-    """None when int8 can be served (options given), else why not."""
+    """Sets args.nanoserve_int8_args when `nanoserve serve` offers int8 weights; returns None when
+    int8 can be served, else why not."""
     if args.nanoserve_int8_args:
         return None
     done = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--help"], capture_output=True,
                           text=True, timeout=120, check=False)
+    if "--quantize" in done.stdout and "int8" in done.stdout:
+        args.nanoserve_int8_args = "--quantize int8"
+        return None
     if "int8" in done.stdout:
         return "`nanoserve serve --help` names an int8 option: pass it with --nanoserve-int8-args"
     return "`nanoserve serve` has no int8 option"
@@ -98,10 +106,9 @@ def one_server(way: str, dtype: str, args: argparse.Namespace, concs: list[int],
            "NANOSERVE_CPU_THREADS": str(args.threads), "NANOSERVE_MAX_QUEUE": "4096",
            "NANOSERVE_LOG_LEVEL": "warning"}
     extra: list[str] = []
+    env["NANOSERVE_DTYPE"] = args.int8_dtype if dtype == "int8" else dtype
     if dtype == "int8":
         extra = shlex.split(args.nanoserve_int8_args)
-    else:
-        env["NANOSERVE_DTYPE"] = dtype
     with running_server(ckpt_dir, env=env, args=extra) as server:
         return _loads(server.base_url, args, concs, prompts)
 

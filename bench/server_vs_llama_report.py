@@ -91,6 +91,8 @@ def render(meta: dict[str, Any], runs: dict[str, dict[int, dict[str, list[dict[s
             cells = compare(rounds)
             payload["cells"][f"{dtype}/{conc}"] = {"runs": rounds, **cells}
             llama_type = meta["gguf_types"][dtype]
+            if dtype == "int8" and dtype not in unavailable:
+                llama_type += f"; nanoserve `{a['nanoserve_int8_args']}` in {a['int8_dtype']}"
             md += (f"\n**{dtype} (llama.cpp {llama_type}), {conc} concurrent stream"
                    f"{'s' if conc > 1 else ''}**\n\n" + table(cells))
     for dtype, why in unavailable.items():
