@@ -84,7 +84,8 @@ def render(meta: dict[str, Any], runs: dict[str, dict[int, dict[str, list[dict[s
           f"streaming /v1/completions, {a['prompt_tokens']}-token prompts (token ids, a different "
           f"prompt per request), {a['max_new_tokens']} new tokens, temperature 1, top_k 40 "
           f"(top_p 1, min_p 0); "
-          f"{a['rounds']} rounds, the servers alternating. Each cell: median (min-max over rounds).\n")
+          f"{a['rounds']} round{'s' if a['rounds'] > 1 else ''}, the servers alternating. Each cell: "
+          f"median (min-max over rounds).\n")
     payload: dict[str, Any] = {"meta": meta, "unavailable": unavailable, "cells": {}}
     for dtype, by_conc in runs.items():
         for conc, rounds in by_conc.items():
