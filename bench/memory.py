@@ -196,8 +196,9 @@ def _llama_row(hf_dir: Path, ckpt: Any, prompts: list[list[int]], new: int, cont
     else:
         return "skipped: neither llama-cpp-python with the gguf package nor `make llama-cpp`'s build"
     if llama_cpp_python():
-        return in_fresh_process("_llama", str(gguf_path), prompts, new, context)
-    return _llama_server(gguf_path, prompts, new, context)
+        row = in_fresh_process("_llama", str(gguf_path), prompts, new, context)
+        return {**row, "via": "llama-cpp-python"} if isinstance(row, dict) else row
+    return {**_llama_server(gguf_path, prompts, new, context), "via": "llama-server"}
 
 
 def run_shape(shape: str, dtype: str, conc: int, new: int, context: int, work: Path) -> dict[str, Any]:
@@ -229,7 +230,10 @@ PEERS = ("nanoserve serve", "engine alone", "HF transformers", "llama.cpp", "bar
 
 def table_row(shape: str, dtype: str, rows: dict[str, Any]) -> str:
     def cell(v: Any) -> str:
-        return f"{v['VmRSS']:.0f} ({v['VmHWM']:.0f})" if isinstance(v, dict) else str(v)
+        if not isinstance(v, dict):
+            return str(v)
+        via = f", {v['via']}" if "via" in v else ""  # which llama.cpp program
+        return f"{v['VmRSS']:.0f} ({v['VmHWM']:.0f}{via})"
 
     def ratio(peer: str) -> str:
         a, b = rows[peer], rows["engine alone"]
