@@ -130,6 +130,12 @@ def _loads(url: str, args: argparse.Namespace, concs: list[int], prompts: list[l
     return out
 
 
+def _last_error_line(log: str) -> str:
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or ["no output"])[-1][:300]
+
+
 def measure(args: argparse.Namespace, lc: LlamaCpp, tmp: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """runs[dtype][conc][way]: one figures dict per round; and the dtypes nanoserve cannot serve."""
     from bench.serving import random_checkpoint
@@ -150,7 +156,17 @@ def measure(args: argparse.Namespace, lc: LlamaCpp, tmp: Path) -> tuple[dict[str
                 if way == "nanoserve" and dtype in unavailable:
                     continue
                 print(f"round {r + 1}/{args.rounds} {dtype} {way}  (load {load_avg()})", flush=True)
-                for conc, fig in one_server(way, dtype, args, concs, ckpt_dir, ggufs, prompts, lc).items():
+                try:
+                    by_conc = one_server(way, dtype, args, concs, ckpt_dir, ggufs, prompts, lc)
+                except RuntimeError as e:
+                    if not (way == "nanoserve" and dtype == "int8"):
+                        raise
+                    # e.g. int8 kernels that exist for one model family and not the other
+                    unavailable["int8"] = f"`nanoserve serve {args.nanoserve_int8_args}` did not start: " + \
+                        _last_error_line(str(e))
+                    print(f"    {unavailable['int8']}", flush=True)
+                    continue
+                for conc, fig in by_conc.items():
                     runs[dtype][conc][way].append(fig)
                     print(f"    c={conc:3d} {fig['tokens_per_s']:8.1f} tok/s  TTFT p50 "
                           f"{1e3 * fig['ttft_p50']:6.1f} ms p99 {1e3 * fig['ttft_p99']:6.1f} ms  ITL p50 "
