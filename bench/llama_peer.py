@@ -85,6 +85,21 @@ def convert_to_gguf(hf_dir: Path, ckpt: Any, out: Path) -> Path:
     return out
 
 
+def _gguf_for(hf_dir: Path, ckpt: Any) -> Path | None:
+    """llama.cpp's own convert_hf_to_gguf.py when llama.cpp is built (any family); else this
+    module's GPT-2 converter (GPT-2 only)."""
+    from bench.gguf_convert import export_and_convert
+    from bench.llama_cpp_build import locate
+
+    lc = locate()
+    if lc.built():
+        return export_and_convert(ckpt, hf_dir, [ckpt.dtype], lc, hf_dir=hf_dir)[ckpt.dtype]
+    if ckpt.config.family != "gpt2":
+        _skip(f"a {ckpt.config.family} model needs llama.cpp's converter: run `make llama-cpp`")
+        return None
+    return convert_to_gguf(hf_dir, ckpt, hf_dir / f"model-{ckpt.dtype}.gguf")
+
+
 def _add(w: Any, name: str, t: torch.Tensor, bf16: bool) -> None:
     import gguf
     import torch  # here, not at the top: a process that only runs llama.cpp (bench/memory.py) has no torch
@@ -169,6 +184,13 @@ class LlamaRunner:
 _gguf_cache: dict[tuple[str, str], Path] = {}
 
 
+def llama_cpp_python() -> bool:
+    """Whether llama-cpp-python is importable; without it bench/llama_batched.py is the peer."""
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
 def bench_llama(
     hf_dir: Path, ckpt: Any, conc: int, prompts: list[list[int]], new: int, threads: int
 ) -> Run | None:
@@ -185,7 +207,10 @@ def bench_llama(
 
     key = (ckpt.name, ckpt.dtype)
     if key not in _gguf_cache:
-        _gguf_cache[key] = convert_to_gguf(hf_dir, ckpt, hf_dir / f"model-{ckpt.dtype}.gguf")
+        gguf_path = _gguf_for(hf_dir, ckpt)
+        if gguf_path is None:
+            return None
+        _gguf_cache[key] = gguf_path
     plen = len(prompts[0])
     runner = LlamaRunner(_gguf_cache[key], conc, plen + new + 8, threads)
     try:

@@ -31,7 +31,9 @@ import httpx
 
 T = TypeVar("T")
 
-ROUTES = {"generate_stream": "/generate_stream", "chat": "/v1/chat/completions"}
+ROUTES = {"generate_stream": "/generate_stream", "chat": "/v1/chat/completions",
+          "completions": "/v1/completions"}
+OPENAI_ROUTES = ("chat", "completions")  # streams that end with `data: [DONE]`
 # Every way a request can end, in the order the text report lists them.
 KINDS = ("ok", "http_429", "http_503", "http_4xx", "http_5xx", "cut", "error_event", "transport",
          "disconnected")
@@ -43,9 +45,14 @@ class LoadConfig:
     concurrency: int = 8
     requests: int | None = 64  # total requests; None: run until `duration_s`
     duration_s: float | None = None  # stop starting new requests after this long
-    route: str = "generate_stream"  # or "chat" (OpenAI /v1/chat/completions, stream=true)
+    route: str = "generate_stream"  # or "chat" / "completions" (OpenAI /v1/..., stream=true)
     model: str | None = None  # chat route: the `model` field (None: the server's only model)
     prompt: str = "ROMEO:"
+    # completions route: request i sends prompt_ids[i % len] (token ids) instead of `prompt`, so
+    # servers with different tokenizers see the same tokens (bench/server_vs_llama.py)
+    prompt_ids: list[list[int]] | None = field(default=None, repr=False)
+    top_k: int | None = None  # completions route: sent when set (an extension both servers take)
+    extra: dict[str, Any] = field(default_factory=dict)  # completions route: more body fields
     max_new_tokens: int = 32
     # Request i asks for max_new_tokens + an offset cycling through -spread..spread (the same
     # mean): streams of different lengths end in different steps, as real traffic's do, instead
@@ -156,6 +163,8 @@ def build_request(config: LoadConfig, index: int) -> tuple[str, dict[str, Any]]:
         if config.model is not None:
             body["model"] = config.model
         return ROUTES["chat"], body
+    if config.route == "completions":
+        return ROUTES["completions"], _completions_body(config, index, seed)
     params: dict[str, Any] = {"max_new_tokens": new_tokens(config.max_new_tokens, config.spread, index),
                               "details": True}
     if config.temperature > 0:
@@ -163,6 +172,25 @@ def build_request(config: LoadConfig, index: int) -> tuple[str, dict[str, Any]]:
     if seed is not None:
         params["seed"] = seed
     return ROUTES["generate_stream"], {"inputs": config.prompt, "parameters": params}
+
+
+def _completions_body(config: LoadConfig, index: int, seed: int | None) -> dict[str, Any]:
+    ids = config.prompt_ids
+    body: dict[str, Any] = {
+        "prompt": ids[index % len(ids)] if ids else config.prompt,
+        "max_tokens": new_tokens(config.max_new_tokens, config.spread, index),
+        "temperature": config.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if config.top_k is not None:
+        body["top_k"] = config.top_k
+    body.update(config.extra)
+    if seed is not None:
+        body["seed"] = seed
+    if config.model is not None:
+        body["model"] = config.model
+    return body
 
 
 class SSEParser:
@@ -215,7 +243,7 @@ class _StreamState:
 
     def on_event(self, event: str, data: str) -> bool:
         r = self.result
-        if self.route == "chat" and data == "[DONE]":
+        if self.route in OPENAI_ROUTES and data == "[DONE]":
             return True
         try:
             payload = json.loads(data)
@@ -230,7 +258,7 @@ class _StreamState:
             r.kind = "error_event"
             r.error = str(err.get("message", err) if isinstance(err, dict) else err)
             return True
-        return self._on_chat(payload) if self.route == "chat" else self._on_tgi(payload)
+        return self._on_openai(payload) if self.route in OPENAI_ROUTES else self._on_tgi(payload)
 
     def _on_tgi(self, payload: dict[str, Any]) -> bool:
         r = self.result
@@ -253,10 +281,12 @@ class _StreamState:
         r.kind = "ok"
         return True
 
-    def _on_chat(self, payload: dict[str, Any]) -> bool:
+    def _on_openai(self, payload: dict[str, Any]) -> bool:
         r = self.result
         for choice in payload.get("choices") or []:
-            content = (choice.get("delta") or {}).get("content")
+            # chat: the text in a delta; completions: in the choice itself
+            delta = choice.get("delta") or {}
+            content = delta.get("content") if self.route == "chat" else choice.get("text")
             if content:
                 self.token_arrived(content)
             if choice.get("finish_reason"):
@@ -444,7 +474,7 @@ async def _read_stream(lines: AsyncIterator[str], result: RequestResult, config:
                 and not complete:
             result.kind = "disconnected"
             return  # the caller closes the connection mid-stream
-    if config.route == "chat" and not complete:
+    if config.route in OPENAI_ROUTES and not complete:
         result.kind = "cut"  # finish_reason seen but no [DONE], or nothing at all
 
 

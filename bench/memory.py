@@ -2,20 +2,26 @@
 
     python -m bench.memory [--shapes 10.7M 124M] [--dtypes float32 bfloat16] [-c 8] [--new 64]
 
-Every peer loads the same random GPT-2-architecture weights from disk, in a fresh process of its
+Every peer loads the same random weights (bench/shapes.py: GPT-2's architecture, or SmolLM2-135M's
+Llama-family shape with grouped-query attention) from disk, in a fresh process of its
 own, generates `c` sequences of `--new` tokens after 16-token prompts (so its KV cache is in use),
 and reports its resident set (VmRSS) and its peak (VmHWM) from /proc:
   - `nanoserve serve`: the real server (uvicorn, FastAPI, metrics) on 127.0.0.1, loaded from a
     saved checkpoint, driven by `c` concurrent /generate requests;
   - engine alone: the same engine in a bare process, built the way the server builds it (the
     checkpoint dropped once the engine holds the weights, free heap pages returned);
-  - HF transformers: `GPT2LMHeadModel.from_pretrained` on the exported weights, `generate` (its
-    KV cache grows with the sequences instead of being allocated up front);
+  - HF transformers: `AutoModelForCausalLM.from_pretrained` on the exported weights, `generate`
+    (its KV cache grows with the sequences instead of being allocated up front);
   - llama.cpp: llama-cpp-python on a GGUF of the same weights, greedy decode, its defaults
     otherwise: the file mmap'd (the pages it reads count as resident) and a float16 KV cache for
-    c x context tokens (skipped when not installed);
+    c x context tokens; without llama-cpp-python, llama.cpp's own `llama-server` (built by
+    `make llama-cpp`; --parallel c, c x context tokens) driven by c concurrent requests, like the
+    nanoserve server row; skipped when neither is there;
   - bare interpreter: python with torch imported, the floor every torch peer starts from.
-The weights' own bytes are listed beside them. Writes bench/results/memory.json and memory.md.
+The weights' own bytes are listed beside them, and the engine's KV cache: sized by key/value heads,
+so grouped-query attention's saving is real (135M: 3 key/value heads of 9, a third of full
+multi-head attention's cache, which the table lists beside it).
+Writes bench/results/memory.json and memory.md.
 Not a test: nothing here asserts a size.
 """
 
@@ -73,12 +79,12 @@ def _engine_alone(ckpt_dir: str, dtype: str, prompts: list[list[int]], new: int,
 
 
 def _hf(hf_dir: str, dtype: str, prompts: list[list[int]], new: int) -> dict[str, float]:
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
     from bench.peer_runs import bench_hf
     from bench.shapes import DTYPES
 
-    model = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=DTYPES[dtype]).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=DTYPES[dtype]).eval()
     bench_hf(model, len(prompts), prompts, new)
     return status_mb()
 
@@ -145,8 +151,57 @@ def _server(ckpt_dir: Path, dtype: str, prompts: list[list[int]], new: int, cont
         return status_mb(server.process.pid)
 
 
+def _llama_server(gguf: Path, prompts: list[list[int]], new: int, context: int) -> dict[str, float]:
+    import asyncio
+
+    import httpx
+
+    from bench.llama_cpp_build import locate
+    from bench.llama_server import LlamaServerConfig, running_llama_server
+    from tests.service.server import free_port
+
+    config = LlamaServerConfig(slots=len(prompts), slot_context=context, threads=2)
+    with running_llama_server(locate().server, gguf, config, free_port()) as server:
+        async def one(client: httpx.AsyncClient, prompt: list[int]) -> None:
+            body = {"prompt": prompt, "max_tokens": new, "temperature": 0.0}
+            r = await client.post(f"{server.base_url}/v1/completions", json=body, timeout=600)
+            r.raise_for_status()
+
+        async def go() -> None:
+            async with httpx.AsyncClient() as client:
+                await asyncio.gather(*(one(client, p) for p in prompts))
+
+        asyncio.run(go())
+        time.sleep(0.5)
+        return status_mb(server.process.pid)
+
+
+def kv_cache_mb(cfg: Any, conc: int, context: int, dtype: str) -> dict[str, float]:
+    """The engine's KV cache (keys and values, every layer, `conc` x `context` tokens) with the
+    model's key/value heads, and what full multi-head attention's would be."""
+    per_head = 2 * cfg.n_layer * cfg.head_dim * conc * context * (4 if dtype == "float32" else 2) / 2**20
+    return {"kv_mb": per_head * cfg.kv_heads, "kv_mha_mb": per_head * cfg.n_head}
+
+
+def _llama_row(hf_dir: Path, ckpt: Any, prompts: list[list[int]], new: int, context: int) -> Any:
+    from bench.gguf_convert import export_and_convert
+    from bench.llama_cpp_build import locate
+    from bench.llama_peer import convert_to_gguf, llama_cpp_python
+
+    lc = locate()
+    if lc.built():  # llama.cpp's own converter: any family
+        gguf_path = export_and_convert(ckpt, hf_dir, [ckpt.dtype], lc, hf_dir=hf_dir)[ckpt.dtype]
+    elif ckpt.config.family == "gpt2" and llama_cpp_python():
+        gguf_path = convert_to_gguf(hf_dir, ckpt, hf_dir / f"model-{ckpt.dtype}.gguf")
+    else:
+        return "skipped: neither llama-cpp-python with the gguf package nor `make llama-cpp`'s build"
+    if llama_cpp_python():
+        row = in_fresh_process("_llama", str(gguf_path), prompts, new, context)
+        return {**row, "via": "llama-cpp-python"} if isinstance(row, dict) else row
+    return {**_llama_server(gguf_path, prompts, new, context), "via": "llama-server"}
+
+
 def run_shape(shape: str, dtype: str, conc: int, new: int, context: int, work: Path) -> dict[str, Any]:
-    from bench.llama_peer import convert_to_gguf
     from bench.shapes import make_checkpoint, prompts_for
     from model.checkpoint import save_checkpoint
     from model.hf import export_hf
@@ -158,18 +213,14 @@ def run_shape(shape: str, dtype: str, conc: int, new: int, context: int, work: P
     save_checkpoint(ckpt_dir, ckpt.build_model("cpu"), ckpt.tokenizer, name=ckpt.name)
     hf_dir = work / f"{shape}-{dtype}-hf"
     export_hf(ckpt, hf_dir)
-    rows: dict[str, Any] = {"weights_mb": weights_mb}
+    rows: dict[str, Any] = {"weights_mb": weights_mb, **kv_cache_mb(ckpt.config, conc, context, dtype)}
     rows["nanoserve serve"] = _server(ckpt_dir, dtype, prompts, new, context, ckpt.tokenizer)
     rows["engine alone"] = in_fresh_process("_engine_alone", str(ckpt_dir), dtype, prompts, new, context)
     rows["HF transformers"] = in_fresh_process("_hf", str(hf_dir), dtype, prompts, new)
     try:
-        import gguf  # noqa: F401
-        import llama_cpp  # noqa: F401
-
-        gguf_path = convert_to_gguf(hf_dir, ckpt, hf_dir / f"model-{dtype}.gguf")
-        rows["llama.cpp"] = in_fresh_process("_llama", str(gguf_path), prompts, new, context)
+        rows["llama.cpp"] = _llama_row(hf_dir, ckpt, prompts, new, context)
     except ImportError:
-        rows["llama.cpp"] = "skipped: llama-cpp-python or gguf is not installed"
+        rows["llama.cpp"] = "skipped: the gguf package is not installed"
     rows["bare python + torch"] = in_fresh_process("_bare")
     return rows
 
@@ -179,14 +230,19 @@ PEERS = ("nanoserve serve", "engine alone", "HF transformers", "llama.cpp", "bar
 
 def table_row(shape: str, dtype: str, rows: dict[str, Any]) -> str:
     def cell(v: Any) -> str:
-        return f"{v['VmRSS']:.0f} ({v['VmHWM']:.0f})" if isinstance(v, dict) else str(v)
+        if not isinstance(v, dict):
+            return str(v)
+        via = f", {v['via']}" if "via" in v else ""  # which llama.cpp program
+        return f"{v['VmRSS']:.0f} ({v['VmHWM']:.0f}{via})"
 
     def ratio(peer: str) -> str:
         a, b = rows[peer], rows["engine alone"]
         ok = isinstance(a, dict) and isinstance(b, dict)
         return f"{a['VmRSS'] / b['VmRSS']:.2f}" if ok else "-"
 
-    return (f"| {shape} | {dtype} | {rows['weights_mb']:.0f} | " + " | ".join(cell(rows[k]) for k in PEERS)
+    kv = f"{rows['kv_mb']:.0f} ({rows['kv_mha_mb']:.0f})"
+    cells = " | ".join(cell(rows[k]) for k in PEERS)
+    return (f"| {shape} | {dtype} | {rows['weights_mb']:.0f} | {kv} | {cells}"
             + f" | {ratio('HF transformers')} | {ratio('llama.cpp')} |")
 
 
@@ -207,10 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; {meta['utc']}. "
              f"{args.concurrency} sequences x ({PROMPT_TOKENS} prompt + {args.new} new tokens), room for "
              f"{args.context} tokens each; "
-             "resident MiB after the run (peak in brackets), each peer in a fresh process.\n",
-             "| model | dtype | weights | nanoserve serve | engine alone | HF transformers | llama.cpp "
-             "| bare python + torch | HF / engine | llama.cpp / engine |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "resident MiB after the run (peak in brackets), each peer in a fresh process; the "
+             "engine's KV cache (what full multi-head attention's would be in brackets).\n",
+             "| model | dtype | weights | engine KV | nanoserve serve | engine alone | HF transformers "
+             "| llama.cpp | bare python + torch | HF / engine | llama.cpp / engine |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory(prefix="nanoserve-memory-") as tmp:
         for shape in args.shapes:
             for dtype in args.dtypes:

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from bench.limits import measure_limits, model_costs
-from bench.llama_peer import bench_llama
+from bench.llama_batched import bench_llama_batched
+from bench.llama_peer import bench_llama, llama_cpp_python
 from bench.peer_runs import bench_engine, bench_hf, bench_naive, hf_model
 from bench.shapes import DTYPES, make_checkpoint, prompts_for
 from service.engine.threads import single_threaded_elsewhere
@@ -98,6 +99,8 @@ def _handle(request: tuple[Any, ...], peer: str, ckpt: Any, prompts: list[list[i
         if "model" not in state:
             state["model"] = ckpt.build_model("cpu")
         return bench_naive(state["model"], conc, prompts, new)
+    if peer == "llama.cpp" and not llama_cpp_python():
+        return bench_llama_batched(ckpt, conc, len(prompts[0]), new, threads, state)
     if "hf" not in state:
         state["hf"] = hf_model(ckpt)  # (model, exported directory)
     if peer == "hf":
