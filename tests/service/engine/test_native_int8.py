@@ -202,7 +202,7 @@ async def test_the_shipped_checkpoint_greedy_in_int8_mostly_agrees_with_float32(
     assert agree >= total // 2, f"int8 followed float32 for {agree} of {total} greedy tokens"
 
 
-def test_int8_is_refused_where_the_native_backend_cannot_run() -> None:
+def test_int8_is_refused_where_the_native_backend_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="quantize must be one of none, int8, got 'int4'"):
         EngineConfig(quantize="int4")
     torch_backend = r"^quantize int8 runs on the native backend only, not backend torch$"
@@ -211,6 +211,10 @@ def test_int8_is_refused_where_the_native_backend_cannot_run() -> None:
     compiled = "quantize int8 needs the native backend, which cannot run here: the model is compiled"
     with pytest.raises(ValueError, match=compiled):
         check_backend(EngineConfig(quantize="int8", compile=True))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # device auto then means the GPU
+    gpu = r"^quantize int8 runs on the native CPU backend only; use device cpu$"
+    with pytest.raises(ValueError, match=gpu):
+        EngineConfig(quantize="int8")
 
 
 def test_serve_refuses_int8_on_the_torch_backend_in_one_line(
