@@ -19,8 +19,8 @@
  * alive (linear weights packed in panels, see gemv; the KV cache's (slots, heads, window, head_dim)
  * buffers), and the library is loaded with ctypes, which releases the GIL for the call.
  *
- * The parts: this file includes row_kernels.inc, matmul.inc, matmul_int8.inc, tiles.inc,
- * attention.inc and sampler.inc, once each, in that order. They are fragments of this translation unit, not headers
+ * The parts: this file includes row_kernels.inc, matmul.inc, matmul_int8.inc, tiles.inc, attention.inc and
+ * sampler.inc, once each, in that order. They are fragments of this translation unit, not headers
  * (no guards, no interface of their own: nanoserve_native.h is the library's interface), and stay
  * one unit on purpose: their kernels are static functions the compiler inlines into the per-thread
  * step loop below, and they share this file's Model, Job and helpers. As separate units each call
@@ -63,8 +63,10 @@ typedef struct {
     const float *b; /* (out,) or NULL */
     int out, in;
     uint16_t *tiles; /* bfloat16 weights in input pairs, for AMX and AVX512-BF16 (amx_tiles), or NULL */
-    const float *i8scale; /* int8 weights (NS_I8): scales per output, padded to whole panels once made */
-    int32_t *i8sum;       /* int8 weights: each output's weight sum, made with the padded scales (matmul_int8.inc) */
+    /* int8 weights (NS_I8): the scales per output (padded to whole panels by i8_prepare) and each
+     * output's weight sum, made with the padded scales (matmul_int8.inc); NULL otherwise */
+    const float *i8scale;
+    int32_t *i8sum;
 } Linear;
 
 typedef struct {

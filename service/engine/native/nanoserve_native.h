@@ -33,8 +33,8 @@ extern "C" {
 /* Element types of weights and of the KV cache (bfloat16: the upper half of a float32). NS_I8: a
  * linear layer's weights in symmetric int8 with a float32 scale per output feature (ns_linear's
  * scale), in panels of NS_PANEL features by groups of NS_I8_GROUP inputs: panel p holds
- * W[p * NS_PANEL + j][4 g + i] at [p][g][j][i], inputs zero-padded to a multiple of NS_I8_GROUP
- * (matmul_int8.inc). Never a config's weight_type: the embeddings keep theirs. */
+ * W[p * NS_PANEL + j][g * NS_I8_GROUP + i] at [p][g][j][i], zero-padded past the layer's outputs and
+ * inputs (int8_weights.py, pack_int8_panels). Never a config's weight_type: the embeddings keep theirs. */
 enum ns_type { NS_F32 = 0, NS_BF16 = 1, NS_I8 = 2 };
 #define NS_I8_GROUP 4
 
@@ -96,7 +96,8 @@ typedef struct {
 } ns_openmp;
 
 /* A model over these weights and KV cache, at kernel level NS_ISA_AVX512 or the best below it this
- * CPU has; omp NULL: every call runs on the calling thread alone. NULL when out of memory. */
+ * CPU has; omp NULL: every call runs on the calling thread alone. NULL when out of memory (or an
+ * NS_I8 output layer comes without a wte). */
 NS_API ns_model *ns_create(const ns_config *config, const ns_weights *weights, const ns_openmp *omp);
 
 NS_API void ns_free(ns_model *model);
