@@ -12,13 +12,18 @@ from __future__ import annotations
 import torch
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, in) weight -> (int8 weights (out, in), float32 scales (out,)): W ~ q * scale[:, None]."""
-    w = weight.detach().float()
-    amax = w.abs().amax(dim=1)
-    scale = amax / 127
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
-    q = torch.round(w / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+def quantize_int8(weight: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) weight -> (int8 weights (out, in), float32 scales (out,)): W ~ q * scale[:, None].
+    `chunk` rows at a time, so the float temporaries stay small (a 124M output layer whole: ~150 MB
+    each)."""
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32)
+    for start in range(0, weight.shape[0], chunk):
+        w = weight[start : start + chunk].detach().float()
+        s = w.abs().amax(dim=1) / 127
+        safe = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero row stays zero
+        q[start : start + chunk] = torch.round(w / safe[:, None]).clamp_(-127, 127)
+        scale[start : start + chunk] = s
     return q, scale
 
 

@@ -71,6 +71,8 @@ def test_quantized_weights_round_to_the_nearest_int8_step() -> None:
     assert torch.equal(scale, torch.tensor([1.0, 0.0, 3.0]) / 127)
     assert torch.equal(q[1], torch.zeros(3, dtype=torch.int8))
     assert (q.float() * scale[:, None] - w).abs().max() <= 3.0 / 127 / 2
+    in_chunks = quantize_int8(w, chunk=2)  # rows a few at a time: the same
+    assert torch.equal(in_chunks[0], q) and torch.equal(in_chunks[1], scale)
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
