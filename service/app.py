@@ -67,6 +67,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         dtype=settings.dtype,
         kv_cache_dtype=settings.kv_cache_dtype,
         native_isa=settings.native_isa,
+        quantize=settings.quantize,
         max_seqs=settings.max_seqs,
         max_queue=settings.max_queue,
         max_waiting_per_client=settings.max_waiting_per_client,

@@ -52,6 +52,11 @@ class Settings(BaseSettings):
         "avx512bf16, amx. avx512bf16 and amx round a bfloat16 model's linear inputs to bf16; up to "
         "avx512 they stay float32, the same results on any x86 CPU.",
     )
+    quantize: Literal["none", "int8"] = Field(
+        default="none",
+        description="Linear layers' weights: none (as loaded, in dtype) or int8 (symmetric, a scale per "
+        "output feature, on the native CPU backend's int8 kernels; embeddings and KV cache keep dtype).",
+    )
     host: str = Field(default="127.0.0.1", min_length=1, description="Address to listen on.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")
 

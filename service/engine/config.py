@@ -13,6 +13,9 @@ CROP_POLICIES = ("shift", "sliding")
 # bfloat16 model's linear layers on bf16 dot products, their inputs rounded to bf16 first.
 NATIVE_ISAS = ("c", "avx2", "avx512", "avx512bf16", "amx")
 TILE_ISAS = ("avx512bf16", "amx")
+# Load-time weight quantization: "none", or "int8" (the native step's linear layers in symmetric
+# int8, a scale per output feature; int8_weights.py).
+QUANTIZE = ("none", "int8")
 _ISAS = ("auto", *NATIVE_ISAS)
 BACKENDS = ("auto", "native", "torch")
 
@@ -77,6 +80,9 @@ class EngineConfig:
     # layers' inputs in float32 (the same results on any x86 CPU); avx512bf16 and amx round them
     # to bf16 (bf16 dot products: AMD Zen 4/5 and Intel Cooper Lake, or Intel's AMX).
     native_isa: str = "auto"
+    # The linear layers' weights as loaded ("none") or quantized to int8 ("int8": the native
+    # backend's int8 kernels; embeddings, norms and the KV cache keep `dtype`). CPU only.
+    quantize: str = "none"
 
     def client_queue_share(self) -> int:
         """Waiting requests one client may have (max_waiting_per_client, default half the queue)."""
@@ -116,6 +122,12 @@ class EngineConfig:
             raise ValueError(f"shift_keep must be a positive integer, got {self.shift_keep!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {self.quantize!r}")
+        if self.quantize == "int8" and self.backend == "torch":
+            raise ValueError("quantize int8 runs on the native backend only, not backend torch")
+        if self.quantize == "int8" and self.resolved_device() != "cpu":
+            raise ValueError("quantize int8 runs on the native CPU backend only; use device cpu")
 
     def resolved_device(self) -> str:
         if self.device == "auto":

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from service.engine.config import NATIVE_ISAS
 
-NS_ABI_VERSION = 1  # the header's version this mirror was written against
+NS_ABI_VERSION = 2  # the header's version this mirror was written against
 
 _p, _i32, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 
@@ -31,7 +31,7 @@ class Norm(ctypes.Structure):
 
 
 class Linear(ctypes.Structure):
-    _fields_ = [("w", _p), ("b", _p)]
+    _fields_ = [("w", _p), ("b", _p), ("scale", _p)]
 
 
 class Layer(ctypes.Structure):
@@ -93,6 +93,7 @@ class Library:
     panel: int  # NS_PANEL
     f32: int  # NS_F32
     bf16: int  # NS_BF16
+    i8_group: int  # NS_I8_GROUP: inputs per group of an int8 panel
     isa_levels: dict[str, int]  # NS_ISA_<NAME> of each of NATIVE_ISAS ("avx2": NS_ISA_AVX2)
 
 
@@ -139,4 +140,5 @@ def load(path: Path) -> Library:
         return value
 
     return Library(lib, panel=constant("NS_PANEL"), f32=constant("NS_F32"), bf16=constant("NS_BF16"),
+                   i8_group=constant("NS_I8_GROUP"),
                    isa_levels={n: constant(f"NS_ISA_{n.upper()}") for n in NATIVE_ISAS})

@@ -36,7 +36,8 @@ from torch import nn
 
 from model.file_pages import FilePages
 from model.gpt import GPT, Block
-from service.engine.config import NATIVE_ISAS, TILE_ISAS
+from service.engine.config import NATIVE_ISAS, QUANTIZE, TILE_ISAS
+from service.engine.int8_weights import pack_int8_panels, quantize_int8
 from service.engine.kv_slots import SpanKVCache
 from service.engine.native_abi import (
     Config,
@@ -126,15 +127,20 @@ def pack_panels(weight: torch.Tensor, panel: int) -> torch.Tensor:
     return packed
 
 
-def capture_weights(model: GPT, panel: int) -> dict[str, torch.Tensor | None]:
+def capture_weights(
+    model: GPT, panel: int, int8_group: int = 0, int8_head: bool = True
+) -> dict[str, torch.Tensor | None]:
     """Copies of the model's weights, each by the path of the ns_weights field that points to it
     ("wte", "layers.0.attn.w", "head.b"; native/nanoserve_native.h), linear weights packed in panels
     of `panel`, without the KV cache buffers (the step adds its cache's). Needs nn.Linear's layout:
     take them before any oneDNN packing (the engine does not pack where the native step runs).
     Embeddings and linear weights keep the model's dtype; biases and norms (a few KB) become
-    float32. Copies, all of them: the step then shares no memory with the model or its checkpoint
-    (whose tensors are views of the mapped file, and the mapping stays, whole and resident once
-    read, while any one of them lives), so the engine can drop both (`release_weights`)."""
+    float32. With `int8_group` (the library's NS_I8_GROUP) the linear layers' weights are int8
+    instead, with a scale per output feature ("attn.scale"; int8_weights.py), the output layer's
+    too unless not `int8_head`. Copies, all of them: the step then shares no memory with the model
+    or its checkpoint (whose tensors are views of the mapped file, and the mapping stays, whole and
+    resident once read, while any one of them lives), so the engine can drop both
+    (`release_weights`)."""
 
     pages = FilePages()  # a checkpoint file's pages go back as each weight is copied
 
@@ -154,14 +160,20 @@ def capture_weights(model: GPT, panel: int) -> dict[str, torch.Tensor | None]:
     def packed(t: torch.Tensor) -> torch.Tensor:
         return pack_panels(t, panel)
 
-    # A tied output layer is the embedding: decode.c reads the embeddings from its panels then.
-    tied = model.lm_head.weight is model.wte.weight
+    # A tied output layer is the embedding: decode.c reads the embeddings from its panels then
+    # (float ones: an int8 output layer leaves the embeddings their own copy).
+    tied = model.lm_head.weight is model.wte.weight and not (int8_group and int8_head)
     if model.config.family != "gpt2" or model.wpe is None:
         raise ValueError("the native step runs the GPT-2 family only")
     w = {"wte": None if tied else copy(model.wte.weight, same), "wpe": copy(model.wpe.weight, same)}
 
     def linear(name: str, module: nn.Linear) -> None:
-        w[f"{name}.w"], w[f"{name}.b"] = copy(module.weight, packed), copy(module.bias, small)
+        w[f"{name}.b"], w[f"{name}.scale"] = copy(module.bias, small), None
+        if int8_group and (int8_head or name != "head"):
+            q, w[f"{name}.scale"] = quantize_int8(module.weight)
+            w[f"{name}.w"] = copy(module.weight, lambda _: pack_int8_panels(q, panel, int8_group))
+        else:
+            w[f"{name}.w"] = copy(module.weight, packed)
 
     def norm(name: str, module: nn.LayerNorm) -> None:
         w[f"{name}.w"], w[f"{name}.b"] = copy(module.weight, small), copy(module.bias, small)
@@ -243,13 +255,17 @@ class NativeStep:
 
     def __init__(
         self, model: GPT, cache: SpanKVCache, max_threads: int, use_openmp: bool = True, max_rows: int = 0,
-        hold_once: bool = False, max_isa: str = "auto",
+        hold_once: bool = False, max_isa: str = "auto", quantize: str = "none", int8_head: bool = True,
     ) -> None:
         """`hold_once`: where a tile level runs (a bfloat16 model on a CPU with AVX512-BF16 or AMX),
         keep only the tile copy of the linear layers' weights and free the panels, which only the
         lower levels read (the engine does: the weights are then held once; `use_isa` then stays at
         a tile level).
-        `max_isa`: the highest kernel level to use ("auto": the best this CPU has)."""
+        `max_isa`: the highest kernel level to use ("auto": the best this CPU has).
+        `quantize`: "int8" runs the linear layers on int8 copies of their weights (int8_weights.py;
+        the output layer's too unless not `int8_head`), "none" on the model's."""
+        if quantize not in QUANTIZE:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
         path = library_path()
         if path is None:
             raise RuntimeError("service/engine/native/decode.c is not built")
@@ -272,12 +288,13 @@ class NativeStep:
                         max_threads=max_threads, eps=cfg.layer_norm_epsilon, weight_type=types[wdtype],
                         kv_type=types[kvdtype])
         # Named as the ns_weights fields that point at them: this object holds them for the library.
-        self._tensors = capture_weights(model, native.panel)
+        group = native.i8_group if quantize == "int8" else 0
+        self._tensors = capture_weights(model, native.panel, int8_group=group, int8_head=int8_head)
         for i, layer in enumerate(caches):
             self._tensors[f"layers.{i}.k"], self._tensors[f"layers.{i}.v"] = layer.k, layer.v
         for t in self._tensors.values():
-            plain = t is None or (t.dtype in (torch.float32, wdtype, kvdtype) and t.device.type == "cpu"
-                                  and t.is_contiguous())
+            plain = t is None or (t.dtype in (torch.float32, wdtype, kvdtype, torch.int8)
+                                  and t.device.type == "cpu" and t.is_contiguous())
             if not plain:
                 raise ValueError("the native step needs contiguous CPU tensors of the model's dtype")
         self._handle: int | None = self._create(config, cfg.n_layer, use_openmp)

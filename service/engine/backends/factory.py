@@ -30,6 +30,8 @@ def check_backend(config: EngineConfig) -> None:
     """Raise ValueError (one line) when the backend asked for cannot run: before anything loads."""
     if config.backend == "native" and (why := native_unavailable(config)):
         raise ValueError(f"backend native cannot run here: {why}")
+    if config.quantize != "none" and (why := native_unavailable(config)):
+        raise ValueError(f"quantize {config.quantize} needs the native backend, which cannot run here: {why}")
 
 
 def choose_backend(model: GPT, config: EngineConfig, window: int, cpu_threads: int) -> tuple[Backend, str]:
@@ -45,13 +47,17 @@ def choose_backend(model: GPT, config: EngineConfig, window: int, cpu_threads: i
         why_not_native = "its kernels cover the GPT-2 family only (this model is of the Llama family)"
     if config.backend == "native" and why_not_native:
         raise ValueError(f"backend native cannot run here: {why_not_native}")
+    if config.quantize != "none" and why_not_native:
+        raise ValueError(
+            f"quantize {config.quantize} needs the native backend, which cannot run here: {why_not_native}"
+        )
     if config.backend == "torch":
         why = "asked for (backend torch)"
     elif why_not_native is None:
         # Its capacity: the largest step the engine runs.
         rows = max(config.max_seqs, config.prefill_budget, config.idle_prefill_budget)
         backend: Backend = NativeBackend(model, cache, max_rows=rows, cpu_threads=cpu_threads,
-                                         isa=config.native_isa)
+                                         isa=config.native_isa, quantize=config.quantize)
         why = "asked for" if config.backend == "native" else "CPU, library built, float32/bfloat16 model"
         return backend, why
     else:

@@ -4,6 +4,7 @@ row that draws is drawn by its C sampler (native/sampler.inc)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -23,11 +24,15 @@ class NativeBackend(Backend):
     # features), so a row's logits do not depend on its batch or the thread count.
     batch_invariant = True
 
-    def __init__(self, model: GPT, cache: SpanKVCache, max_rows: int, cpu_threads: int, isa: str) -> None:
+    def __init__(
+        self, model: GPT, cache: SpanKVCache, max_rows: int, cpu_threads: int, isa: str,
+        quantize: str = "none",
+    ) -> None:
         self.cache = cache
+        self.quantize = quantize
         self.device = torch.device("cpu")
         self.step = NativeStep(model, cache, max_threads=cpu_threads, max_rows=max_rows, hold_once=True,
-                               max_isa=isa)
+                               max_isa=isa, quantize=quantize)
         self.max_rows = self.step.max_rows
         # The step holds its own copies of the weights; the model's would only hold them twice.
         # Nothing may run the model's forward after this (its weights become meta tensors).
@@ -35,6 +40,9 @@ class NativeBackend(Backend):
 
     def kernels(self) -> str:
         return self.step.isa
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "quantize": self.quantize}
 
     def forward(self, items: Sequence[WorkItem]) -> torch.Tensor:
         t = len(items[0].tokens)

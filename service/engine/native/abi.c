@@ -19,6 +19,7 @@ static const Constant CONSTANTS[] = {
     CONSTANT(NS_ABI_VERSION), CONSTANT(NS_PANEL),        CONSTANT(NS_F32),
     CONSTANT(NS_BF16),        CONSTANT(NS_ISA_C),        CONSTANT(NS_ISA_AVX2),
     CONSTANT(NS_ISA_AVX512),  CONSTANT(NS_ISA_AVX512BF16), CONSTANT(NS_ISA_AMX),
+    CONSTANT(NS_I8),          CONSTANT(NS_I8_GROUP),
 };
 
 int64_t ns_constant(const char *name) {
@@ -43,7 +44,7 @@ static const Layout LAYOUTS[] = {
     FIELD(ns_config, max_threads), FIELD(ns_config, eps), FIELD(ns_config, weight_type),
     FIELD(ns_config, kv_type),
     SIZE(ns_norm), FIELD(ns_norm, w), FIELD(ns_norm, b),
-    SIZE(ns_linear), FIELD(ns_linear, w), FIELD(ns_linear, b),
+    SIZE(ns_linear), FIELD(ns_linear, w), FIELD(ns_linear, b), FIELD(ns_linear, scale),
     SIZE(ns_layer),
     FIELD(ns_layer, ln1), FIELD(ns_layer, attn), FIELD(ns_layer, proj), FIELD(ns_layer, ln2),
     FIELD(ns_layer, fc), FIELD(ns_layer, mproj), FIELD(ns_layer, k), FIELD(ns_layer, v),

@@ -19,7 +19,7 @@
  * alive (linear weights packed in panels, see gemv; the KV cache's (slots, heads, window, head_dim)
  * buffers), and the library is loaded with ctypes, which releases the GIL for the call.
  *
- * The parts: this file includes row_kernels.inc, matmul.inc, tiles.inc, attention.inc and
+ * The parts: this file includes row_kernels.inc, matmul.inc, matmul_int8.inc, tiles.inc, attention.inc and
  * sampler.inc, once each, in that order. They are fragments of this translation unit, not headers
  * (no guards, no interface of their own: nanoserve_native.h is the library's interface), and stay
  * one unit on purpose: their kernels are static functions the compiler inlines into the per-thread
@@ -63,6 +63,10 @@ typedef struct {
     const float *b; /* (out,) or NULL */
     int out, in;
     uint16_t *tiles; /* bfloat16 weights in input pairs, for AMX and AVX512-BF16 (amx_tiles), or NULL */
+    /* int8 weights (NS_I8): the scales per output (padded to whole panels by i8_prepare) and each
+     * output's weight sum, made with the padded scales (matmul_int8.inc); NULL otherwise */
+    const float *i8scale;
+    int32_t *i8sum;
 } Linear;
 
 typedef struct {
@@ -89,6 +93,8 @@ typedef struct ns_model {
     int tiles;  /* bfloat16 weights: the tile level in use (ISA_AVX512BF16, see gemv_dp, or ISA_AMX, see
                  * gemv_amx; bf16-rounded inputs), or 0: the widening kernels */
     int tiles_only; /* the panels are gone (ns_tiles_only): only the levels that read tiles run */
+    uint8_t *xq; /* int8 linears: per thread, inputs quantized (xq_each bytes), and their row scales */
+    float *xqs;
     uint16_t *xb; /* per thread, (round32(2 max_threads), round32(4 C)): few rows' inputs in bf16 */
     /* On the tile levels, the inputs of the linear layers in bf16, (round32(max_rows), width
      * rounded up to 32) each, rounded where they are computed (see round_shared): hn's, y's, f's */
@@ -176,6 +182,8 @@ static inline void prefetch_line_l2(const void *p) { prefetch_into(p, 0); }
 
 #include "matmul.inc"
 
+#include "matmul_int8.inc"
+
 #include "tiles.inc"
 
 /* Work is claimed, not dealt: each thread takes the next `chunk` items of a phase from a shared
@@ -261,9 +269,13 @@ static void gemv_claimed(const Job *job, int phase, const Linear *l, const float
 #else
     (void)tid, (void)xs;
 #endif
+    const QuantRows xq = l->i8sum ? quantize_rows(m, l, x, rows, tid) : (QuantRows){0};
     Claims cl = claims(phase, panels, chunk, tid, nt);
     for (int p = claim(job, &cl); p >= 0; p = claim(job, &cl)) {
         const int o0 = p * PANEL, o1 = (p + chunk) * PANEL < l->out ? (p + chunk) * PANEL : l->out;
+        if (xq.q)
+            gemv_i8(l, &xq, rows, y, ystride, o0, o1, accumulate);
+        else
 #ifdef NS_X86
         if (xb && m->tiles == ISA_AMX)
             gemv_amx(l, xb, rows, y, ystride, o0, o1, accumulate);
@@ -415,7 +427,7 @@ static Linear *linear_at(Model *m, int i) {
  * it also has AMX and the kernel lets this process use it (Linux asks each process to request the
  * tile state); ISA_C (none) for a float32 model or an older CPU. */
 static int tiles_possible(const Model *m) {
-    if (m->wt != BF16 || !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bf16"))
+    if (m->wt != BF16 || m->xq || !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bf16"))
         return ISA_C;
     if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return ISA_AVX512BF16;
 #ifdef SYS_arch_prctl
@@ -463,7 +475,7 @@ int32_t ns_tiles_possible(ns_model *model) {
 int32_t ns_tile_linear(ns_model *model, int32_t i) {
 #ifdef NS_X86
     Model *m = model;
-    if (i < 0 || i >= n_linears(m) || m->wt != BF16) return 0;
+    if (i < 0 || i >= n_linears(m) || m->wt != BF16 || m->xq) return 0;
     Linear *l = linear_at(m, i);
     if (!l->tiles && l->w) l->tiles = amx_tiles(l);
     return l->tiles != NULL;
@@ -500,7 +512,7 @@ int32_t ns_set_isa(ns_model *model, int32_t level) {
     return m->tiles ? m->tiles : m->avx512 ? ISA_AVX512 : m->avx2 ? ISA_AVX2 : ISA_C;
 }
 
-static Linear linear(ns_linear w, int out, int in) { return (Linear){w.w, w.b, out, in, NULL}; }
+static Linear linear(ns_linear w, int out, int in) { return (Linear){w.w, w.b, out, in, NULL, w.scale, NULL}; }
 
 static Norm norm(ns_norm w) { return (Norm){w.w, w.b}; }
 
@@ -543,6 +555,10 @@ ns_model *ns_create(const ns_config *cfg, const ns_weights *w, const ns_openmp *
     }
     m->lnf = norm(w->lnf);
     m->head = linear(w->head, cfg->vocab, c);
+    if (!i8_prepare(m, n_linears(m))) {
+        ns_free(m);
+        return NULL;
+    }
     ns_set_isa(m, ISA_AVX512); /* the caller asks for a tile level: its tiles take a copy of the weights */
     return m;
 }
@@ -598,7 +614,8 @@ int32_t ns_sample(ns_model *m, const ns_sample_args *a) {
 void ns_free(ns_model *m) {
     if (!m) return;
     if (m->layers)
-        for (int i = 0; i < n_linears(m); i++) free(linear_at(m, i)->tiles);
+        for (int i = 0; i < n_linears(m); i++) free(linear_at(m, i)->tiles), free(linear_at(m, i)->i8sum);
+    free(m->xq), free(m->xqs);
     free(m->xb), free(m->hb), free(m->yb), free(m->fb);
     free(m->layers), free(m->x), free(m->qkv), free(m->y), free(m->f), free(m->h), free(m->hn), free(m->att), free(m->block), free(m->next);
     free(m->seen), free(m->smp);

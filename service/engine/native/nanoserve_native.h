@@ -23,15 +23,20 @@ extern "C" {
 
 #define NS_API __attribute__((visibility("default")))
 
-#define NS_ABI_VERSION 1
+#define NS_ABI_VERSION 2
 
 /* Linear weights come packed in panels of NS_PANEL output features: panel p holds W[p * NS_PANEL + j][k]
  * at [p][k][j] (float32), or, in bfloat16, features j and j + NS_PANEL / 2 of input k side by side,
  * zero-padded past the layer's outputs (native_step.py, pack_panels). */
 #define NS_PANEL 16
 
-/* Element types of weights and of the KV cache (bfloat16: the upper half of a float32). */
-enum ns_type { NS_F32 = 0, NS_BF16 = 1 };
+/* Element types of weights and of the KV cache (bfloat16: the upper half of a float32). NS_I8: a
+ * linear layer's weights in symmetric int8 with a float32 scale per output feature (ns_linear's
+ * scale), in panels of NS_PANEL features by groups of NS_I8_GROUP inputs: panel p holds
+ * W[p * NS_PANEL + j][g * NS_I8_GROUP + i] at [p][g][j][i], zero-padded past the layer's outputs and
+ * inputs (int8_weights.py, pack_int8_panels). Never a config's weight_type: the embeddings keep theirs. */
+enum ns_type { NS_F32 = 0, NS_BF16 = 1, NS_I8 = 2 };
+#define NS_I8_GROUP 4
 
 /* Kernel levels (ns_set_isa), each at most what the CPU has: portable C, AVX2 + FMA, AVX-512, and
  * for bfloat16 models the two tile levels, AVX512-BF16 dot products and AMX, which round the linear
@@ -58,8 +63,12 @@ typedef struct {
 } ns_norm;
 
 typedef struct {
-    const void *w; /* (out, in) in NS_PANEL panels, of the config's weight_type */
+    const void *w; /* (out, in) in NS_PANEL panels, of the config's weight_type, or NS_I8 */
     const float *b; /* (out,) float32, or NULL */
+    /* NULL: w is of the config's weight_type. Else w is NS_I8 and this its scales, (out,) float32:
+     * W[o][k] = w[o][k] * scale[o]. A model with any NS_I8 linear runs no tile level; an NS_I8
+     * output layer needs its own wte (the embeddings are not read from int8 panels). */
+    const float *scale;
 } ns_linear;
 
 typedef struct {
@@ -87,7 +96,8 @@ typedef struct {
 } ns_openmp;
 
 /* A model over these weights and KV cache, at kernel level NS_ISA_AVX512 or the best below it this
- * CPU has; omp NULL: every call runs on the calling thread alone. NULL when out of memory. */
+ * CPU has; omp NULL: every call runs on the calling thread alone. NULL when out of memory (or an
+ * NS_I8 output layer comes without a wte). */
 NS_API ns_model *ns_create(const ns_config *config, const ns_weights *weights, const ns_openmp *omp);
 
 NS_API void ns_free(ns_model *model);
