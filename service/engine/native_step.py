@@ -143,12 +143,11 @@ def gate_up_panels(t: torch.Tensor, panel: int) -> torch.Tensor:
     MLP), as ns_layer's fc takes it: each half padded with zeros to whole panels (Hp rows), then
     interleaved panel by panel (gate panel i, up panel i, ...), (2 Hp, ...), so that one panel pair
     of decode.c gives silu(gate) * up for `panel` features."""
-    hidden = t.shape[0] // 2
+    hidden, rest = t.shape[0] // 2, t.shape[1:]
     padded = -(-hidden // panel) * panel
-    halves = t.new_zeros((2, padded, *t.shape[1:]))
-    halves[:, :hidden].copy_(t.reshape(2, hidden, *t.shape[1:]))
+    halves = t.new_zeros((2, padded, *rest))
+    halves[:, :hidden].copy_(t.reshape(2, hidden, *rest))
     # (2, Hp / panel, panel, ...) -> (Hp / panel, 2, panel, ...): panel i of gate, then of up
-    rest = t.shape[1:]
     return halves.view(2, padded // panel, panel, *rest).transpose(0, 1).reshape(2 * padded, *rest)
 
 

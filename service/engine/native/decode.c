@@ -1,6 +1,7 @@
-/* One forward step of a decoder of the GPT-2 or the Llama family over token rows on CPU, in one call: decode rows and prompt
- * chunks (service/engine/native_step.py). Weights and KV cache in float32 or bfloat16; sums in
- * float32 (a bfloat16 model's linear inputs rounded to bf16 on the tile levels, see ns_set_isa).
+/* One forward step of a decoder of the GPT-2 or the Llama family over token rows on CPU, in one
+ * call: decode rows and prompt chunks (service/engine/native_step.py). Weights and KV cache in
+ * float32 or bfloat16; sums in float32 (a bfloat16 model's linear inputs rounded to bf16 on the
+ * tile levels, see ns_set_isa).
  *
  * Why this exists (docs/architecture.md, docs/performance.md): at batch 1 a decode step
  * streams every weight once, so it is bound by memory bandwidth, yet through torch it ran at 5-7
@@ -316,6 +317,30 @@ static inline void sync(const Job *job) {
     if (!job->serial) job->m->barrier();
 }
 
+/* One row of the residual stream through the model's norm (LayerNorm or RMSNorm) at its level. */
+static void norm_row(const Model *m, const float *x, float *out, Norm nm) {
+    const int c = m->n_embd;
+    if (m->rms) {
+#ifdef NS_X86
+        if (m->avx512)
+            rms_norm_avx512(x, out, c, nm, m->eps);
+        else if (m->avx2)
+            rms_norm_avx2(x, out, c, nm, m->eps);
+        else
+#endif
+            rms_norm_plain(x, out, c, nm, m->eps);
+        return;
+    }
+#ifdef NS_X86
+    if (m->avx512)
+        layer_norm_avx512(x, out, c, nm, m->eps);
+    else if (m->avx2)
+        layer_norm_avx2(x, out, c, nm, m->eps);
+    else
+#endif
+        layer_norm_plain(x, out, c, nm, m->eps);
+}
+
 /* Rows of the residual stream, normalised: all of them (sel NULL) or rows sel[0..n), compacted.
  * Fewer than two rows per thread are normalised by every thread into its own buffer, no barrier;
  * more are split between the threads, who then wait for each other. The same function either
@@ -332,25 +357,7 @@ static const float *normalise(const Job *job, Norm nm, const int64_t *sel, int n
         const size_t src = sel ? (size_t)sel[r] : (size_t)r;
         const float *row = m->x + src * c;
         float *normed = dst + (size_t)r * c;
-        if (m->rms) {
-#ifdef NS_X86
-            if (m->avx512)
-                rms_norm_avx512(row, normed, c, nm, m->eps);
-            else if (m->avx2)
-                rms_norm_avx2(row, normed, c, nm, m->eps);
-            else
-#endif
-                rms_norm_plain(row, normed, c, nm, m->eps);
-        } else {
-#ifdef NS_X86
-            if (m->avx512)
-                layer_norm_avx512(row, normed, c, nm, m->eps);
-            else if (m->avx2)
-                layer_norm_avx2(row, normed, c, nm, m->eps);
-            else
-#endif
-                layer_norm_plain(row, normed, c, nm, m->eps);
-        }
+        norm_row(m, row, normed, nm);
         if (dst == m->hn) round_shared(m, normed, c, m->hb, c, r, 0);
     }
     if (dst == m->hn) sync(job);
@@ -432,19 +439,19 @@ static void step_thread(void *arg) {
     for (int li = 0; li < m->n_layer; li++) {
         const Layer *L = &m->layers[li];
         const float *h = normalise(job, L->ln1, NULL, rows, tid, nt, own);
-        gemv_claimed(job, phase++, &L->attn, h, shared_of(m, h), rows, m->qkv, m->qkv_w, 0, 0, NULL, tid, nt);
+        gemv_claimed(job, phase++, &L->attn, h, shared_of(m, h), rows, m->qkv, m->qkv_w, 0, ACT_NONE, NULL, tid, nt);
         sync(job);
         attention_phase(job, L, phase++, scores, tid, nt);
-        gemv_claimed(job, phase++, &L->proj, m->y, m->yb, rows, m->x, c, 1, 0, NULL, tid, nt);
+        gemv_claimed(job, phase++, &L->proj, m->y, m->yb, rows, m->x, c, 1, ACT_NONE, NULL, tid, nt);
         sync(job);
         h = normalise(job, L->ln2, NULL, rows, tid, nt, own);
         gemv_claimed(job, phase++, &L->fc, h, shared_of(m, h), rows, m->f, m->fc_w, 0, m->act, m->fb, tid, nt);
         sync(job);
-        gemv_claimed(job, phase++, &L->mproj, swiglu ? m->g : m->f, m->fb, rows, m->x, c, 1, 0, NULL, tid, nt);
+        gemv_claimed(job, phase++, &L->mproj, swiglu ? m->g : m->f, m->fb, rows, m->x, c, 1, ACT_NONE, NULL, tid, nt);
         sync(job);
     }
     const float *h = normalise(job, m->lnf, job->out, job->n_out, tid, nt, own);
-    gemv_claimed(job, phase, &m->head, h, shared_of(m, h), job->n_out, job->logits, m->vocab, 0, 0, NULL, tid, nt);
+    gemv_claimed(job, phase, &m->head, h, shared_of(m, h), job->n_out, job->logits, m->vocab, 0, ACT_NONE, NULL, tid, nt);
 #ifdef NS_X86
     if (m->tiles == ISA_AMX) amx_release(); /* the thread's tile state is not kept between steps */
 #endif
@@ -613,8 +620,9 @@ ns_model *ns_create(const ns_config *cfg, const ns_weights *w, const ns_openmp *
     m->block = calloc(r, sizeof(int));
     m->next = calloc((size_t)PHASES(n_layer) * max_threads * CLAIM_PAD, sizeof(int));
     m->seen = calloc(cfg->slots, 1);
+    const int rope_ok = cfg->positions != NS_ROPE || rope_tables(m, cfg->rope_theta);
     if (!m->layers || !m->x || !m->qkv || !m->y || !m->f || (m->act == ACT_SWIGLU && !m->g) || !m->h || !m->hn ||
-        !m->att || !m->block || !m->next || !m->seen || (cfg->positions == NS_ROPE && !rope_tables(m, cfg->rope_theta))) {
+        !m->att || !m->block || !m->next || !m->seen || !rope_ok) {
         ns_free(m);
         return NULL;
     }
