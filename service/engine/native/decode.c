@@ -392,32 +392,50 @@ static void embed_rows(const Job *job, int tid, int nt) {
     }
 }
 
+/* Parts each key/value head's group of query heads is cut into: one, unless the step has too few
+ * (row, key/value head) pairs for two items per thread (a batch-1 decode step of a model with few
+ * key/value heads: 135M's 3 groups on 2 threads split its attention 2:1, on 16 threads left 13
+ * idle); then enough parts for that, at the cost of storing keys and values before a barrier. */
+static int group_parts(const Model *m, int rows, int nt) {
+    const int pairs = rows * m->n_kv;
+    if (m->group == 1 || pairs >= 2 * nt) return 1;
+    const int parts = (2 * nt + pairs - 1) / pairs;
+    return parts < m->group ? parts : m->group;
+}
+
 /* Attention over one layer, in items of a row and a key/value head: the group of query heads that
- * read that head's keys and values (one query head each without grouped-query attention).
+ * read that head's keys and values (one query head each without grouped-query attention), or a
+ * part of it (group_parts).
  *
  * A prompt chunk's rows attend over each other's keys, so every key and value is stored before any
- * row attends. Where each row has a slot of its own (decode steps), only the row's own attention
- * reads what it stores: each item stores its row's key and value for its head just before
- * attending, without a phase and a barrier of its own (the stores had waited on lines of the cache
- * not read before; the item before now asks for them, see ahead_of). */
+ * row attends, and so are those of a group cut in parts (each part reads them). Where each row has
+ * a slot of its own (decode steps) and each group is one item, only the item reads what it stores:
+ * it stores its row's key and value for its head just before attending, without a phase and a
+ * barrier of its own (the stores had waited on lines of the cache not read before; the item before
+ * now asks for them, see ahead_of). */
 static void attention_phase(const Job *job, const Layer *L, int phase, float *scores, int tid, int nt) {
     const Model *m = job->m;
-    const int c = m->n_embd, items = job->rows * m->n_kv, chunk = chunk_of(items, nt);
-    if (!job->own_slots) {
-        for (int p = tid; p < items; p += nt) store_kv(m, L, job, p / m->n_kv, p % m->n_kv);
+    const int c = m->n_embd, hs = m->head_dim, parts = group_parts(m, job->rows, nt);
+    const int per = (m->group + parts - 1) / parts, pairs = job->rows * m->n_kv, items = pairs * parts;
+    const int chunk = chunk_of(items, nt), store_in_item = job->own_slots && parts == 1;
+    if (!store_in_item) {
+        for (int p = tid; p < pairs; p += nt) store_kv(m, L, job, p / m->n_kv, p % m->n_kv);
         sync(job);
     }
     Claims cl = claims(phase, items, chunk, tid, nt);
     for (int p0 = claim(job, &cl); p0 >= 0; p0 = claim(job, &cl))
         for (int p = p0; p < p0 + chunk && p < items; p++) {
-            const int r = p / m->n_kv, kv = p % m->n_kv, n = m->block[r];
-            if (!n) continue; /* its row's block is attended with the block's first row */
-            if (job->own_slots) store_kv(m, L, job, r, kv);
+            const int pair = p / parts, r = pair / m->n_kv, kv = pair % m->n_kv, n = m->block[r];
+            const int h0 = kv * m->group + p % parts * per, end = (kv + 1) * m->group;
+            const int h1 = h0 + per < end ? h0 + per : end;
+            if (!n || h0 >= h1) continue; /* a row's block is attended with the block's first row */
+            if (store_in_item) store_kv(m, L, job, r, kv);
             Ahead next = {0};
-            if (p + 1 < items) next = ahead_of(m, L, job, (p + 1) / m->n_kv, (p + 1) % m->n_kv);
-            attend_group(m, L, job, r, n, kv, scores, p + 1 < items ? &next : NULL);
-            const int col = kv * m->group * m->head_dim, width = m->group * m->head_dim;
-            for (int j = r; j < r + n; j++) round_shared(m, m->y + (size_t)j * c + col, width, m->yb, c, j, col);
+            const int np = (p + 1) / parts;
+            if (p + 1 < items) next = ahead_of(m, L, job, np / m->n_kv, np % m->n_kv);
+            attend_group(m, L, job, r, n, kv, h0, h1, scores, p + 1 < items ? &next : NULL);
+            const int col = h0 * hs;
+            for (int j = r; j < r + n; j++) round_shared(m, m->y + (size_t)j * c + col, (h1 - h0) * hs, m->yb, c, j, col);
         }
     sync(job);
 }
