@@ -423,20 +423,29 @@ static void attention_phase(const Job *job, const Layer *L, int phase, float *sc
         sync(job);
     }
     Claims cl = claims(phase, items, chunk, tid, nt);
-    for (int p0 = claim(job, &cl); p0 >= 0; p0 = claim(job, &cl))
+    for (int p0 = claim(job, &cl); p0 >= 0; p0 = claim(job, &cl)) {
+        /* Item p is row r, key/value head kv, part `part`: counted on, not divided out per item
+         * (three divisions an item were ~1.5% of a 10.7M bf16 decode step of 32 rows). */
+        const int first = p0 / parts;
+        int r = first / m->n_kv, kv = first % m->n_kv, part = p0 % parts;
         for (int p = p0; p < p0 + chunk && p < items; p++) {
-            const int pair = p / parts, r = pair / m->n_kv, kv = pair % m->n_kv, n = m->block[r];
-            const int h0 = kv * m->group + p % parts * per, end = (kv + 1) * m->group;
+            const int at_r = r, at_kv = kv, n = m->block[at_r];
+            const int h0 = at_kv * m->group + part * per, end = (at_kv + 1) * m->group;
             const int h1 = h0 + per < end ? h0 + per : end;
+            if (++part == parts) { /* on to the next item */
+                part = 0;
+                if (++kv == m->n_kv) kv = 0, r++;
+            }
             if (!n || h0 >= h1) continue; /* a row's block is attended with the block's first row */
-            if (store_in_item) store_kv(m, L, job, r, kv);
+            if (store_in_item) store_kv(m, L, job, at_r, at_kv);
             Ahead next = {0};
-            const int np = (p + 1) / parts;
-            if (p + 1 < items) next = ahead_of(m, L, job, np / m->n_kv, np % m->n_kv);
-            attend_group(m, L, job, r, n, kv, h0, h1, scores, p + 1 < items ? &next : NULL);
+            if (p + 1 < items) next = ahead_of(m, L, job, r, kv);
+            attend_group(m, L, job, at_r, n, at_kv, h0, h1, scores, p + 1 < items ? &next : NULL);
             const int col = h0 * hs;
-            for (int j = r; j < r + n; j++) round_shared(m, m->y + (size_t)j * c + col, (h1 - h0) * hs, m->yb, c, j, col);
+            for (int j = at_r; j < at_r + n; j++)
+                round_shared(m, m->y + (size_t)j * c + col, (h1 - h0) * hs, m->yb, c, j, col);
         }
+    }
     sync(job);
 }
 
