@@ -15,15 +15,19 @@ from pathlib import Path
 
 from service.engine.config import NATIVE_ISAS
 
-NS_ABI_VERSION = 2  # the header's version this mirror was written against
+NS_ABI_VERSION = 3  # the header's version this mirror was written against
 
-_p, _i32, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
+_p, _i32, _f32, _f64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float, ctypes.c_double
+
+# GPTConfig's family choices (norm, mlp, positions) by the header constant each is: NS_<NAME>.
+FAMILY_CHOICES = ("layernorm", "rmsnorm", "gelu", "swiglu", "learned", "rope")
 
 
 class Config(ctypes.Structure):
     _fields_ = [("n_layer", _i32), ("n_head", _i32), ("n_embd", _i32), ("vocab", _i32), ("slots", _i32),
                 ("window", _i32), ("max_rows", _i32), ("max_threads", _i32), ("eps", _f32),
-                ("weight_type", _i32), ("kv_type", _i32)]
+                ("weight_type", _i32), ("kv_type", _i32), ("n_kv_head", _i32), ("mlp_hidden", _i32),
+                ("norm", _i32), ("mlp", _i32), ("positions", _i32), ("rope_theta", _f64)]
 
 
 class Norm(ctypes.Structure):
@@ -95,6 +99,7 @@ class Library:
     bf16: int  # NS_BF16
     i8_group: int  # NS_I8_GROUP: inputs per group of an int8 panel
     isa_levels: dict[str, int]  # NS_ISA_<NAME> of each of NATIVE_ISAS ("avx2": NS_ISA_AVX2)
+    family: dict[str, int]  # NS_<NAME> of each of FAMILY_CHOICES ("rmsnorm": NS_RMSNORM)
 
 
 def layout_mismatches(lib: ctypes.CDLL) -> list[str]:
@@ -141,4 +146,5 @@ def load(path: Path) -> Library:
 
     return Library(lib, panel=constant("NS_PANEL"), f32=constant("NS_F32"), bf16=constant("NS_BF16"),
                    i8_group=constant("NS_I8_GROUP"),
-                   isa_levels={n: constant(f"NS_ISA_{n.upper()}") for n in NATIVE_ISAS})
+                   isa_levels={n: constant(f"NS_ISA_{n.upper()}") for n in NATIVE_ISAS},
+                   family={n: constant(f"NS_{n.upper()}") for n in FAMILY_CHOICES})

@@ -1,4 +1,5 @@
-"""Forwards as one native call (native/decode.c), on CPU, float32 or bfloat16 weights.
+"""Forwards as one native call (native/decode.c), on CPU, float32 or bfloat16 weights, for models of
+the GPT-2 and the Llama family (RMSNorm, SwiGLU, rotary positions, grouped-query attention).
 
 At batch 1 a decode step streams every weight once and is bound by memory bandwidth; through
 torch's kernels it reached 5-7 GB/s of the 25-30 GB/s a plain two-thread read gets (on an AVX2
@@ -10,7 +11,7 @@ tokens: decode rows and the tokens of prompt chunks alike, so one call runs a wh
 Weights are repacked once into panels of 16 output features, so every loaded weight vector serves
 up to six rows (it beat the oneDNN path at every batch and prompt size measured, 1 to 1024 rows).
 
-It computes what `DecodeStep` and `GPT.forward` compute (the parity tests compare them) with a
+It computes what `TorchDecodeStep` and `GPT.forward` compute (the parity tests compare them) with a
 different summation order, so logits agree to float32 rounding, not bit for bit. A bfloat16 model
 keeps its weights and KV cache in bfloat16 (half the bytes to stream) but the step computes in
 float32, widening each value as it is loaded: CPUs without bf16 arithmetic (AVX2-only ones) run
@@ -34,12 +35,14 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from model.config import GPTConfig
 from model.file_pages import FilePages
 from model.gpt import GPT, Block
 from service.engine.config import NATIVE_ISAS, QUANTIZE, TILE_ISAS
 from service.engine.int8_weights import pack_int8_panels, quantize_int8
 from service.engine.kv_slots import SpanKVCache
 from service.engine.native_abi import (
+    FAMILY_CHOICES,
     Config,
     Layer,
     LibraryMismatch,
@@ -59,6 +62,15 @@ _OMP_ENTRY_POINTS = {"parallel": "GOMP_parallel", "barrier": "GOMP_barrier",
 _LIBRARY_NAME = "_decode"
 _DTYPES = (torch.float32, torch.bfloat16)  # the library's NS_F32 and NS_BF16
 _LAYER_LINEARS = ("attn", "proj", "fc", "mproj")  # ns_layer's linears, in ns_tile_linear's numbering
+
+
+def family_unsupported(config: GPTConfig) -> str | None:
+    """Why the native kernels cannot compute a model of this configuration, or None when they can
+    (its norm, MLP and positions each one the library knows: native_abi.FAMILY_CHOICES)."""
+    for what in ("norm", "mlp", "positions"):
+        if (choice := getattr(config, what)) not in FAMILY_CHOICES:
+            return f"its kernels have no {what} {choice!r}"
+    return None
 
 
 def library_path() -> Path | None:
@@ -127,12 +139,26 @@ def pack_panels(weight: torch.Tensor, panel: int) -> torch.Tensor:
     return packed
 
 
+def gate_up_panels(t: torch.Tensor, panel: int) -> torch.Tensor:
+    """SwiGLU's fused c_fc weight (2 H, in) or bias (2 H,), gate rows then up rows (model/gpt.py's
+    MLP), as ns_layer's fc takes it: each half padded with zeros to whole panels (Hp rows), then
+    interleaved panel by panel (gate panel i, up panel i, ...), (2 Hp, ...), so that one panel pair
+    of decode.c gives silu(gate) * up for `panel` features."""
+    hidden, rest = t.shape[0] // 2, t.shape[1:]
+    padded = -(-hidden // panel) * panel
+    halves = t.new_zeros((2, padded, *rest))
+    halves[:, :hidden].copy_(t.reshape(2, hidden, *rest))
+    # (2, Hp / panel, panel, ...) -> (Hp / panel, 2, panel, ...): panel i of gate, then of up
+    return halves.view(2, padded // panel, panel, *rest).transpose(0, 1).reshape(2 * padded, *rest)
+
+
 def capture_weights(
     model: GPT, panel: int, int8_group: int = 0, int8_head: bool = True
 ) -> dict[str, torch.Tensor | None]:
     """Copies of the model's weights, each by the path of the ns_weights field that points to it
     ("wte", "layers.0.attn.w", "head.b"; native/nanoserve_native.h), linear weights packed in panels
-    of `panel`, without the KV cache buffers (the step adds its cache's). Needs nn.Linear's layout:
+    of `panel` (a SwiGLU MLP's gate and up interleaved, see gate_up_panels), without the KV cache
+    buffers (the step adds its cache's); wpe None with rotary positions. Needs nn.Linear's layout:
     take them before any oneDNN packing (the engine does not pack where the native step runs).
     Embeddings and linear weights keep the model's dtype; biases and norms (a few KB) become
     float32. With `int8_group` (the library's NS_I8_GROUP) the linear layers' weights are int8
@@ -160,34 +186,44 @@ def capture_weights(
     def packed(t: torch.Tensor) -> torch.Tensor:
         return pack_panels(t, panel)
 
+    def gate_up(t: torch.Tensor) -> torch.Tensor:
+        return pack_panels(gate_up_panels(t, panel), panel)
+
+    def gate_up_bias(t: torch.Tensor) -> torch.Tensor:
+        return small(gate_up_panels(t, panel))
+
     # A tied output layer is the embedding: decode.c reads the embeddings from its panels then
     # (float ones: an int8 output layer leaves the embeddings their own copy).
     tied = model.lm_head.weight is model.wte.weight and not (int8_group and int8_head)
-    if model.config.family != "gpt2" or model.wpe is None:
-        raise ValueError("the native step runs the GPT-2 family only")
-    w = {"wte": None if tied else copy(model.wte.weight, same), "wpe": copy(model.wpe.weight, same)}
+    wpe = model.wpe.weight if model.wpe is not None else None
+    w = {"wte": None if tied else copy(model.wte.weight, same), "wpe": copy(wpe, same)}
 
-    def linear(name: str, module: nn.Linear) -> None:
-        w[f"{name}.b"], w[f"{name}.scale"] = copy(module.bias, small), None
+    def linear(name: str, module: nn.Linear, gated: bool = False) -> None:
+        w[f"{name}.b"] = copy(module.bias, gate_up_bias if gated else small)
+        w[f"{name}.scale"] = None
         if int8_group and (int8_head or name != "head"):
-            q, w[f"{name}.scale"] = quantize_int8(module.weight)
+            # Quantized per output feature after SwiGLU's interleave, so the scales follow it.
+            order = (lambda t: gate_up_panels(t, panel)) if gated else (lambda t: t)
+            q, w[f"{name}.scale"] = quantize_int8(order(module.weight))
             w[f"{name}.w"] = copy(module.weight, lambda _: pack_int8_panels(q, panel, int8_group))
         else:
-            w[f"{name}.w"] = copy(module.weight, packed)
+            w[f"{name}.w"] = copy(module.weight, gate_up if gated else packed)
 
-    def norm(name: str, module: nn.LayerNorm) -> None:
-        w[f"{name}.w"], w[f"{name}.b"] = copy(module.weight, small), copy(module.bias, small)
+    def norm(name: str, module: nn.Module) -> None:
+        module = cast(nn.LayerNorm | nn.RMSNorm, module)  # a LayerNorm's bias is optional, RMSNorm has none
+        bias = getattr(module, "bias", None)
+        w[f"{name}.w"], w[f"{name}.b"] = copy(module.weight, small), copy(bias, small)
 
     blocks: list[Block] = list(model.h)  # type: ignore[arg-type]
     for i, block in enumerate(blocks):
         attn, mlp = block.attn, block.mlp
-        norm(f"layers.{i}.ln1", cast(nn.LayerNorm, block.ln_1))
+        norm(f"layers.{i}.ln1", block.ln_1)
         linear(f"layers.{i}.attn", attn.c_attn)
         linear(f"layers.{i}.proj", attn.c_proj)
-        norm(f"layers.{i}.ln2", cast(nn.LayerNorm, block.ln_2))
-        linear(f"layers.{i}.fc", mlp.c_fc)
+        norm(f"layers.{i}.ln2", block.ln_2)
+        linear(f"layers.{i}.fc", mlp.c_fc, gated=mlp.swiglu)
         linear(f"layers.{i}.mproj", mlp.c_proj)
-    norm("lnf", cast(nn.LayerNorm, model.ln_f))
+    norm("lnf", model.ln_f)
     linear("head", model.lm_head)
     return w
 
@@ -282,11 +318,17 @@ class NativeStep:
             raise ValueError(
                 f"the native step runs float32 and bfloat16, not {wdtype} weights / {kvdtype} cache"
             )
+        if why := family_unsupported(cfg):
+            raise ValueError(f"the native step cannot run this model: {why}")
+        if caches[0].k.shape[1] != cfg.kv_heads:
+            raise ValueError(f"the KV cache holds {caches[0].k.shape[1]} heads, the model {cfg.kv_heads}")
         types = {torch.float32: native.f32, torch.bfloat16: native.bf16}
         config = Config(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, vocab=cfg.vocab_size,
                         slots=cache.slots, window=cache.capacity, max_rows=self.max_rows,
                         max_threads=max_threads, eps=cfg.layer_norm_epsilon, weight_type=types[wdtype],
-                        kv_type=types[kvdtype])
+                        kv_type=types[kvdtype], n_kv_head=cfg.kv_heads, mlp_hidden=cfg.hidden,
+                        norm=native.family[cfg.norm], mlp=native.family[cfg.mlp],
+                        positions=native.family[cfg.positions], rope_theta=cfg.rope_theta)
         # Named as the ns_weights fields that point at them: this object holds them for the library.
         group = native.i8_group if quantize == "int8" else 0
         self._tensors = capture_weights(model, native.panel, int8_group=group, int8_head=int8_head)

@@ -12,7 +12,7 @@ from service.engine.backends.native_backend import NativeBackend
 from service.engine.backends.torch_backend import TorchBackend
 from service.engine.config import EngineConfig
 from service.engine.kv_slots import SpanKVCache
-from service.engine.native_step import unavailable_reason
+from service.engine.native_step import family_unsupported, unavailable_reason
 from service.engine.packed_linear import packed_linear_supported
 
 log = logging.getLogger(__name__)
@@ -42,9 +42,7 @@ def choose_backend(model: GPT, config: EngineConfig, window: int, cpu_threads: i
     # The cache holds the key/value heads (fewer than the query heads under grouped-query attention).
     cache = SpanKVCache(cfg.n_layer, config.max_seqs, cfg.kv_heads, window, cfg.head_dim,
                         config.torch_kv_dtype, model.wte.weight.device)
-    why_not_native = native_unavailable(config)
-    if why_not_native is None and cfg.family != "gpt2":
-        why_not_native = "its kernels cover the GPT-2 family only (this model is of the Llama family)"
+    why_not_native = native_unavailable(config) or family_unsupported(cfg)
     if config.backend == "native" and why_not_native:
         raise ValueError(f"backend native cannot run here: {why_not_native}")
     if config.quantize != "none" and why_not_native:

@@ -20,6 +20,8 @@ static const Constant CONSTANTS[] = {
     CONSTANT(NS_BF16),        CONSTANT(NS_ISA_C),        CONSTANT(NS_ISA_AVX2),
     CONSTANT(NS_ISA_AVX512),  CONSTANT(NS_ISA_AVX512BF16), CONSTANT(NS_ISA_AMX),
     CONSTANT(NS_I8),          CONSTANT(NS_I8_GROUP),
+    CONSTANT(NS_LAYERNORM),   CONSTANT(NS_RMSNORM),      CONSTANT(NS_GELU),
+    CONSTANT(NS_SWIGLU),      CONSTANT(NS_LEARNED),      CONSTANT(NS_ROPE),
 };
 
 int64_t ns_constant(const char *name) {
@@ -42,7 +44,8 @@ static const Layout LAYOUTS[] = {
     FIELD(ns_config, n_layer), FIELD(ns_config, n_head), FIELD(ns_config, n_embd), FIELD(ns_config, vocab),
     FIELD(ns_config, slots), FIELD(ns_config, window), FIELD(ns_config, max_rows),
     FIELD(ns_config, max_threads), FIELD(ns_config, eps), FIELD(ns_config, weight_type),
-    FIELD(ns_config, kv_type),
+    FIELD(ns_config, kv_type), FIELD(ns_config, n_kv_head), FIELD(ns_config, mlp_hidden),
+    FIELD(ns_config, norm), FIELD(ns_config, mlp), FIELD(ns_config, positions), FIELD(ns_config, rope_theta),
     SIZE(ns_norm), FIELD(ns_norm, w), FIELD(ns_norm, b),
     SIZE(ns_linear), FIELD(ns_linear, w), FIELD(ns_linear, b), FIELD(ns_linear, scale),
     SIZE(ns_layer),

@@ -1,6 +1,7 @@
-/* One forward step of a GPT-2 decoder over token rows on CPU, in one call: decode rows and prompt
- * chunks (service/engine/native_step.py). Weights and KV cache in float32 or bfloat16; sums in
- * float32 (a bfloat16 model's linear inputs rounded to bf16 on the tile levels, see ns_set_isa).
+/* One forward step of a decoder of the GPT-2 or the Llama family over token rows on CPU, in one
+ * call: decode rows and prompt chunks (service/engine/native_step.py). Weights and KV cache in
+ * float32 or bfloat16; sums in float32 (a bfloat16 model's linear inputs rounded to bf16 on the
+ * tile levels, see ns_set_isa).
  *
  * Why this exists (docs/architecture.md, docs/performance.md): at batch 1 a decode step
  * streams every weight once, so it is bound by memory bandwidth, yet through torch it ran at 5-7
@@ -76,12 +77,20 @@ typedef struct {
 typedef struct {
     Norm ln1, ln2;
     Linear attn, proj, fc, mproj;
-    void *k, *v; /* (slots, n_head, window, head_dim), of type kvt */
+    void *k, *v; /* (slots, n_kv, window, head_dim), of type kvt */
 } Layer;
+
+/* The MLP's activation after fc (gemv_claimed's `act`): none (other layers), GELU, or SwiGLU. */
+enum { ACT_NONE = 0, ACT_GELU = 1, ACT_SWIGLU = 2 };
 
 /* The public header's opaque ns_model. */
 typedef struct ns_model {
     int n_layer, n_head, head_dim, n_embd, vocab, slots, window, max_rows, max_threads;
+    int n_kv, group;  /* key/value heads, and query heads per key/value head (grouped-query attention) */
+    int qkv_w;        /* attn's outputs: n_embd queries, then n_kv head_dim keys and as many values */
+    int hidden, fc_w; /* the MLP's width, and fc's outputs (hidden; SwiGLU: gate and up, panel-padded) */
+    int rms, act;     /* RMSNorm (else LayerNorm); the MLP's ACT_GELU or ACT_SWIGLU */
+    float *rope_cos, *rope_sin; /* rotary positions: (window, head_dim / 2) each, else NULL */
     float eps;
     int wt, kvt; /* element types of the weights (linear, embeddings) and of the KV cache */
     const void *wte, *wpe;
@@ -103,6 +112,7 @@ typedef struct ns_model {
      * for steps of few rows, where every thread normalises the whole residual itself instead of
      * waiting at a barrier; hn holds the normalised rows of larger steps (see normalise). */
     float *x, *qkv, *y, *f, *h, *hn, *att; /* att: per thread, ATT_ROWS rows of `window` scores */
+    float *g; /* SwiGLU: silu(gate) * up, (max_rows, hidden), mproj's input (GELU's is f itself) */
     int *block; /* per row of a step: how many rows its attention block holds (0: another row's
                  * block holds it; see attention_blocks) */
     int *next; /* per phase and thread's part of a step, chunks claimed so far (see claim) */
@@ -248,15 +258,30 @@ static void round_shared(const Model *m, const float *src, int n, uint16_t *shar
 #endif
 }
 
-/* y (+)= x W^T + b for all of the layer's outputs, panels claimed in chunks; with `act`, GELU
- * on each chunk's outputs once they are done, and those rounded into yb (round_shared) if given.
- * xs: x already rounded to bf16 (a shared copy), or NULL. */
+/* SwiGLU over fc's outputs [o0, o1) of `rows` rows, whole panel pairs (gate, then up: ns_layer):
+ * pair o gives features o / 2.. of m->g, rounded into gb (round_shared) if given. */
+static void swiglu_rows(const Model *m, const float *y, int ystride, int rows, int o0, int o1, uint16_t *gb) {
+    for (int r = 0; r < rows; r++)
+        for (int o = o0; o < o1; o += 2 * PANEL) {
+            const int f = o / 2, n = m->hidden - f < PANEL ? m->hidden - f : PANEL;
+            const float *gate = y + (size_t)r * ystride + o;
+            float *out = m->g + (size_t)r * m->hidden + f;
+            swiglu(m, gate, gate + PANEL, out, n);
+            if (gb) round_shared(m, out, n, gb, m->hidden, r, f);
+        }
+}
+
+/* y (+)= x W^T + b for all of the layer's outputs, panels claimed in chunks; with `act`, the MLP's
+ * activation on each chunk's outputs once they are done (GELU in place, SwiGLU into m->g), and
+ * those rounded into yb (round_shared) if given. xs: x already rounded to bf16 (a shared copy), or
+ * NULL. */
 static void gemv_claimed(const Job *job, int phase, const Linear *l, const float *x, const uint16_t *xs, int rows,
                          float *y, int ystride, int accumulate, int act, uint16_t *yb, int tid, int nt) {
     const Model *m = job->m;
     const int panels = (l->out + PANEL - 1) / PANEL;
     int chunk = chunk_of(panels, nt);
-    if (m->avx512 && chunk % 2) chunk++; /* its kernels (and the tile levels') take panels in pairs */
+    /* AVX-512's kernels (and the tile levels') take panels in pairs, and so does SwiGLU (gate, up) */
+    if ((m->avx512 || act == ACT_SWIGLU) && chunk % 2) chunk++;
 #ifdef NS_X86
     const uint16_t *xb = NULL;
     if (m->tiles && xs) {
@@ -284,7 +309,9 @@ static void gemv_claimed(const Job *job, int phase, const Linear *l, const float
         else
 #endif
             gemv(m, l, x, rows, y, ystride, o0, o1, accumulate);
-        if (act)
+        if (act == ACT_SWIGLU)
+            swiglu_rows(m, y, ystride, rows, o0, o1, yb);
+        else if (act == ACT_GELU)
             for (int r = 0; r < rows; r++) {
                 gelu(m, y + (size_t)r * ystride + o0, o1 - o0);
                 if (yb) round_shared(m, y + (size_t)r * ystride + o0, o1 - o0, yb, l->out, r, o0);
@@ -300,6 +327,30 @@ static void gemv_claimed(const Job *job, int phase, const Linear *l, const float
 
 static inline void sync(const Job *job) {
     if (!job->serial) job->m->barrier();
+}
+
+/* One row of the residual stream through the model's norm (LayerNorm or RMSNorm) at its level. */
+static void norm_row(const Model *m, const float *x, float *out, Norm nm) {
+    const int c = m->n_embd;
+    if (m->rms) {
+#ifdef NS_X86
+        if (m->avx512)
+            rms_norm_avx512(x, out, c, nm, m->eps);
+        else if (m->avx2)
+            rms_norm_avx2(x, out, c, nm, m->eps);
+        else
+#endif
+            rms_norm_plain(x, out, c, nm, m->eps);
+        return;
+    }
+#ifdef NS_X86
+    if (m->avx512)
+        layer_norm_avx512(x, out, c, nm, m->eps);
+    else if (m->avx2)
+        layer_norm_avx2(x, out, c, nm, m->eps);
+    else
+#endif
+        layer_norm_plain(x, out, c, nm, m->eps);
 }
 
 /* Rows of the residual stream, normalised: all of them (sel NULL) or rows sel[0..n), compacted.
@@ -318,14 +369,7 @@ static const float *normalise(const Job *job, Norm nm, const int64_t *sel, int n
         const size_t src = sel ? (size_t)sel[r] : (size_t)r;
         const float *row = m->x + src * c;
         float *normed = dst + (size_t)r * c;
-#ifdef NS_X86
-        if (m->avx512)
-            layer_norm_avx512(row, normed, c, nm, m->eps);
-        else if (m->avx2)
-            layer_norm_avx2(row, normed, c, nm, m->eps);
-        else
-#endif
-            layer_norm_plain(row, normed, c, nm, m->eps);
+        norm_row(m, row, normed, nm);
         if (dst == m->hn) round_shared(m, normed, c, m->hb, c, r, 0);
     }
     if (dst == m->hn) sync(job);
@@ -335,6 +379,88 @@ static const float *normalise(const Job *job, Norm nm, const int64_t *sel, int n
 /* The shared bf16 copy of normalise's result h, or NULL (rows this thread normalised for itself). */
 static const uint16_t *shared_of(const Model *m, const float *h) { return h == m->hn ? m->hb : NULL; }
 
+/* Rows [tid, rows) step nt: token t's embedding (row t of wte, or, tied, output feature t of the
+ * head's panels, or of its tile copy once the panels are gone, see ns_tiles_only), plus its
+ * position's row of wpe where positions are learned. */
+static void embed_rows(const Job *job, int tid, int nt) {
+    const Model *m = job->m;
+    const int c = m->n_embd;
+    for (int r = tid; r < job->rows; r += nt) {
+        const int t = (int)job->tok[r];
+        float *x = m->x + (size_t)r * c;
+        if (!m->wte && !m->head.w) {
+            const uint16_t *tile = m->head.tiles + (size_t)(t / PANEL) * ROUND32(c) * PANEL + (t % PANEL) * 2;
+            for (int i = 0; i < c; i++) x[i] = bf16_to_float(tile[(size_t)(i / 2) * 2 * PANEL + i % 2]);
+        } else {
+            const void *table = m->wte ? m->wte : m->head.w;
+            const size_t te = m->wte ? (size_t)t * c : (size_t)(t / PANEL) * c * PANEL + panel_lane(t % PANEL, m->wt);
+            const size_t step = m->wte ? 1 : PANEL;
+            for (int i = 0; i < c; i++) x[i] = to_float(table, m->wt, te + i * step);
+        }
+        if (m->wpe) {
+            const size_t pe = (size_t)job->pos[r] * c;
+            for (int i = 0; i < c; i++) x[i] += to_float(m->wpe, m->wt, pe + i);
+        }
+    }
+}
+
+/* Parts each key/value head's group of query heads is cut into: one, unless the step has too few
+ * (row, key/value head) pairs for two items per thread (a batch-1 decode step of a model with few
+ * key/value heads: 135M's 3 groups on 2 threads split its attention 2:1, on 16 threads left 13
+ * idle); then enough parts for that, at the cost of storing keys and values before a barrier. */
+static int group_parts(const Model *m, int rows, int nt) {
+    const int pairs = rows * m->n_kv;
+    if (m->group == 1 || pairs >= 2 * nt) return 1;
+    const int parts = (2 * nt + pairs - 1) / pairs;
+    return parts < m->group ? parts : m->group;
+}
+
+/* Attention over one layer, in items of a row and a key/value head: the group of query heads that
+ * read that head's keys and values (one query head each without grouped-query attention), or a
+ * part of it (group_parts).
+ *
+ * A prompt chunk's rows attend over each other's keys, so every key and value is stored before any
+ * row attends, and so are those of a group cut in parts (each part reads them). Where each row has
+ * a slot of its own (decode steps) and each group is one item, only the item reads what it stores:
+ * it stores its row's key and value for its head just before attending, without a phase and a
+ * barrier of its own (the stores had waited on lines of the cache not read before; the item before
+ * now asks for them, see ahead_of). */
+static void attention_phase(const Job *job, const Layer *L, int phase, float *scores, int tid, int nt) {
+    const Model *m = job->m;
+    const int c = m->n_embd, hs = m->head_dim, parts = group_parts(m, job->rows, nt);
+    const int per = (m->group + parts - 1) / parts, pairs = job->rows * m->n_kv, items = pairs * parts;
+    const int chunk = chunk_of(items, nt), store_in_item = job->own_slots && parts == 1;
+    if (!store_in_item) {
+        for (int p = tid; p < pairs; p += nt) store_kv(m, L, job, p / m->n_kv, p % m->n_kv);
+        sync(job);
+    }
+    Claims cl = claims(phase, items, chunk, tid, nt);
+    for (int p0 = claim(job, &cl); p0 >= 0; p0 = claim(job, &cl)) {
+        /* Item p is row r, key/value head kv, part `part`: counted on, not divided out per item
+         * (three divisions an item were ~1.5% of a 10.7M bf16 decode step of 32 rows). */
+        const int first = p0 / parts;
+        int r = first / m->n_kv, kv = first % m->n_kv, part = p0 % parts;
+        for (int p = p0; p < p0 + chunk && p < items; p++) {
+            const int at_r = r, at_kv = kv, n = m->block[at_r];
+            const int h0 = at_kv * m->group + part * per, end = (at_kv + 1) * m->group;
+            const int h1 = h0 + per < end ? h0 + per : end;
+            if (++part == parts) { /* on to the next item */
+                part = 0;
+                if (++kv == m->n_kv) kv = 0, r++;
+            }
+            if (!n || h0 >= h1) continue; /* a row's block is attended with the block's first row */
+            if (store_in_item) store_kv(m, L, job, at_r, at_kv);
+            Ahead next = {0};
+            if (p + 1 < items) next = ahead_of(m, L, job, r, kv);
+            attend_group(m, L, job, at_r, n, at_kv, h0, h1, scores, p + 1 < items ? &next : NULL);
+            const int col = h0 * hs;
+            for (int j = at_r; j < at_r + n; j++)
+                round_shared(m, m->y + (size_t)j * c + col, (h1 - h0) * hs, m->yb, c, j, col);
+        }
+    }
+    sync(job);
+}
+
 static void step_thread(void *arg) {
     const Job *job = arg;
     const Model *m = job->m;
@@ -342,68 +468,29 @@ static void step_thread(void *arg) {
     const int rows = job->rows, c = m->n_embd;
     float *own = m->h + (size_t)tid * 2 * m->max_threads * c;
     float *scores = m->att + (size_t)tid * ATT_ROWS * m->window;
-    const int heads = rows * m->n_head, head_chunk = chunk_of(heads, nt);
     int phase = 0;
 
     /* This thread's part counters, zeroed before the barrier below, which every claim follows. */
     for (int ph = 0; ph < PHASES(m->n_layer); ph++) *claim_counter(job, ph, tid) = 0;
-    for (int r = tid; r < rows; r += nt) {
-        /* Token t's embedding: row t of wte, or (tied) output feature t of the head's panels, or of
-         * its tile copy once the panels are gone (see ns_tiles_only). */
-        const int t = (int)job->tok[r];
-        const size_t pe = (size_t)job->pos[r] * c;
-        float *x = m->x + (size_t)r * c;
-        if (!m->wte && !m->head.w) {
-            const uint16_t *tile = m->head.tiles + (size_t)(t / PANEL) * ROUND32(c) * PANEL + (t % PANEL) * 2;
-            for (int i = 0; i < c; i++)
-                x[i] = bf16_to_float(tile[(size_t)(i / 2) * 2 * PANEL + i % 2]) + to_float(m->wpe, m->wt, pe + i);
-            continue;
-        }
-        const void *table = m->wte ? m->wte : m->head.w;
-        const size_t te = m->wte ? (size_t)t * c : (size_t)(t / PANEL) * c * PANEL + panel_lane(t % PANEL, m->wt);
-        const size_t step = m->wte ? 1 : PANEL;
-        for (int i = 0; i < c; i++) x[i] = to_float(table, m->wt, te + i * step) + to_float(m->wpe, m->wt, pe + i);
-    }
+    embed_rows(job, tid, nt);
     sync(job);
+    const int swiglu = m->act == ACT_SWIGLU;
     for (int li = 0; li < m->n_layer; li++) {
         const Layer *L = &m->layers[li];
         const float *h = normalise(job, L->ln1, NULL, rows, tid, nt, own);
-        gemv_claimed(job, phase++, &L->attn, h, shared_of(m, h), rows, m->qkv, 3 * c, 0, 0, NULL, tid, nt);
+        gemv_claimed(job, phase++, &L->attn, h, shared_of(m, h), rows, m->qkv, m->qkv_w, 0, ACT_NONE, NULL, tid, nt);
         sync(job);
-        /* A prompt chunk's rows attend over each other's keys, so every key and value is stored
-         * before any row attends. Where each row has a slot of its own (decode steps), only the
-         * row's own attention reads what it stores: each item stores its row's key and value for
-         * its head just before attending, without a phase and a barrier of its own (the stores
-         * had waited on lines of the cache not read before; the item before now asks for them,
-         * see ahead_of). */
-        if (!job->own_slots) {
-            for (int p = tid; p < heads; p += nt) store_kv(m, L, job, p / m->n_head, p % m->n_head);
-            sync(job);
-        }
-        Claims cl = claims(phase, heads, head_chunk, tid, nt);
-        for (int p0 = claim(job, &cl); p0 >= 0; p0 = claim(job, &cl))
-            for (int p = p0; p < p0 + head_chunk && p < heads; p++) {
-                const int r = p / m->n_head, n = m->block[r];
-                if (!n) continue; /* its row's block is attended with the block's first row */
-                if (job->own_slots) store_kv(m, L, job, r, p % m->n_head);
-                Ahead next = {0};
-                if (p + 1 < heads) next = ahead_of(m, L, job, (p + 1) / m->n_head, (p + 1) % m->n_head);
-                attend_rows(m, L, job, r, n, p % m->n_head, scores, p + 1 < heads ? &next : NULL);
-                const int col = p % m->n_head * m->head_dim;
-                for (int j = r; j < r + n; j++) round_shared(m, m->y + (size_t)j * c + col, m->head_dim, m->yb, c, j, col);
-            }
-        phase++;
-        sync(job);
-        gemv_claimed(job, phase++, &L->proj, m->y, m->yb, rows, m->x, c, 1, 0, NULL, tid, nt);
+        attention_phase(job, L, phase++, scores, tid, nt);
+        gemv_claimed(job, phase++, &L->proj, m->y, m->yb, rows, m->x, c, 1, ACT_NONE, NULL, tid, nt);
         sync(job);
         h = normalise(job, L->ln2, NULL, rows, tid, nt, own);
-        gemv_claimed(job, phase++, &L->fc, h, shared_of(m, h), rows, m->f, 4 * c, 0, 1, m->fb, tid, nt);
+        gemv_claimed(job, phase++, &L->fc, h, shared_of(m, h), rows, m->f, m->fc_w, 0, m->act, m->fb, tid, nt);
         sync(job);
-        gemv_claimed(job, phase++, &L->mproj, m->f, m->fb, rows, m->x, c, 1, 0, NULL, tid, nt);
+        gemv_claimed(job, phase++, &L->mproj, swiglu ? m->g : m->f, m->fb, rows, m->x, c, 1, ACT_NONE, NULL, tid, nt);
         sync(job);
     }
     const float *h = normalise(job, m->lnf, job->out, job->n_out, tid, nt, own);
-    gemv_claimed(job, phase, &m->head, h, shared_of(m, h), job->n_out, job->logits, m->vocab, 0, 0, NULL, tid, nt);
+    gemv_claimed(job, phase, &m->head, h, shared_of(m, h), job->n_out, job->logits, m->vocab, 0, ACT_NONE, NULL, tid, nt);
 #ifdef NS_X86
     if (m->tiles == ISA_AMX) amx_release(); /* the thread's tile state is not kept between steps */
 #endif
@@ -445,7 +532,7 @@ static int tiles_ready(Model *m, int level) {
         m->xb = calloc((size_t)m->max_threads * xb_each(m), sizeof(uint16_t));
         m->hb = calloc(rows * c, sizeof(uint16_t));
         m->yb = calloc(rows * c, sizeof(uint16_t));
-        m->fb = calloc(rows * ROUND32(4 * m->n_embd), sizeof(uint16_t));
+        m->fb = calloc(rows * ROUND32(m->hidden), sizeof(uint16_t));
         if (!m->xb || !m->hb || !m->yb || !m->fb) {
             free(m->xb), free(m->hb), free(m->yb), free(m->fb);
             m->xb = m->hb = m->yb = m->fb = NULL;
@@ -516,14 +603,43 @@ static Linear linear(ns_linear w, int out, int in) { return (Linear){w.w, w.b, o
 
 static Norm norm(ns_norm w) { return (Norm){w.w, w.b}; }
 
+/* cos and sin of every position's rotary angles, (window, head_dim / 2) each: frequency i turns by
+ * pos / theta^(2i / head_dim), computed in double as model/gpt.py's rope_tables does. */
+static int rope_tables(Model *m, double theta) {
+    const int half = m->head_dim / 2;
+    m->rope_cos = malloc((size_t)m->window * half * sizeof(float));
+    m->rope_sin = malloc((size_t)m->window * half * sizeof(float));
+    if (!m->rope_cos || !m->rope_sin) return 0;
+    for (int i = 0; i < half; i++) {
+        const double inv_freq = 1.0 / pow(theta, (double)(2 * i) / m->head_dim);
+        for (int p = 0; p < m->window; p++) {
+            const double angle = (double)p * inv_freq;
+            m->rope_cos[(size_t)p * half + i] = (float)cos(angle);
+            m->rope_sin[(size_t)p * half + i] = (float)sin(angle);
+        }
+    }
+    return 1;
+}
+
+/* The model's shape and family from its config (no buffers yet). */
+static Model model_of(const ns_config *cfg, const ns_weights *w) {
+    const int c = cfg->n_embd, head_dim = c / cfg->n_head, n_kv = cfg->n_kv_head;
+    const int hidden = cfg->mlp_hidden, swiglu = cfg->mlp == NS_SWIGLU;
+    return (Model){.n_layer = cfg->n_layer, .n_head = cfg->n_head, .head_dim = head_dim, .n_embd = c,
+                   .vocab = cfg->vocab, .slots = cfg->slots, .window = cfg->window, .max_rows = cfg->max_rows,
+                   .max_threads = cfg->max_threads, .n_kv = n_kv, .group = cfg->n_head / n_kv,
+                   .qkv_w = c + 2 * n_kv * head_dim, .hidden = hidden,
+                   .fc_w = swiglu ? 2 * ((hidden + PANEL - 1) / PANEL * PANEL) : hidden,
+                   .rms = cfg->norm == NS_RMSNORM, .act = swiglu ? ACT_SWIGLU : ACT_GELU, .eps = cfg->eps,
+                   .wt = cfg->weight_type == BF16 ? BF16 : F32, .kvt = cfg->kv_type == BF16 ? BF16 : F32,
+                   .wte = w->wte, .wpe = cfg->positions == NS_ROPE ? NULL : w->wpe};
+}
+
 ns_model *ns_create(const ns_config *cfg, const ns_weights *w, const ns_openmp *omp) {
     Model *m = calloc(1, sizeof(Model));
     if (!m) return NULL;
-    const int c = cfg->n_embd, n_layer = cfg->n_layer, max_threads = cfg->max_threads;
-    *m = (Model){.n_layer = n_layer, .n_head = cfg->n_head, .head_dim = c / cfg->n_head, .n_embd = c,
-                 .vocab = cfg->vocab, .slots = cfg->slots, .window = cfg->window, .max_rows = cfg->max_rows,
-                 .max_threads = max_threads, .eps = cfg->eps, .wt = cfg->weight_type == BF16 ? BF16 : F32,
-                 .kvt = cfg->kv_type == BF16 ? BF16 : F32, .wte = w->wte, .wpe = w->wpe};
+    *m = model_of(cfg, w);
+    const int c = m->n_embd, n_layer = m->n_layer, max_threads = m->max_threads;
     if (omp) {
         m->parallel = (parallel_fn)omp->parallel;
         m->barrier = (barrier_fn)omp->barrier;
@@ -533,25 +649,27 @@ ns_model *ns_create(const ns_config *cfg, const ns_weights *w, const ns_openmp *
     m->layers = calloc(n_layer, sizeof(Layer));
     size_t r = cfg->max_rows;
     m->x = calloc(r * c, sizeof(float));
-    m->qkv = calloc(r * 3 * c, sizeof(float));
+    m->qkv = calloc(r * m->qkv_w, sizeof(float));
     m->y = calloc(r * c, sizeof(float));
-    m->f = calloc(r * 4 * c, sizeof(float));
+    m->f = calloc(r * m->fc_w, sizeof(float));
+    m->g = m->act == ACT_SWIGLU ? calloc(r * m->hidden, sizeof(float)) : NULL;
     m->h = calloc((size_t)max_threads * 2 * max_threads * c, sizeof(float));
     m->hn = calloc(r * c, sizeof(float));
     m->att = calloc((size_t)max_threads * ATT_ROWS * cfg->window, sizeof(float));
     m->block = calloc(r, sizeof(int));
     m->next = calloc((size_t)PHASES(n_layer) * max_threads * CLAIM_PAD, sizeof(int));
     m->seen = calloc(cfg->slots, 1);
-    if (!m->layers || !m->x || !m->qkv || !m->y || !m->f || !m->h || !m->hn || !m->att || !m->block || !m->next ||
-        !m->seen) {
+    const int rope_ok = cfg->positions != NS_ROPE || rope_tables(m, cfg->rope_theta);
+    if (!m->layers || !m->x || !m->qkv || !m->y || !m->f || (m->act == ACT_SWIGLU && !m->g) || !m->h || !m->hn ||
+        !m->att || !m->block || !m->next || !m->seen || !rope_ok) {
         ns_free(m);
         return NULL;
     }
     for (int i = 0; i < n_layer; i++) {
         const ns_layer *src = &w->layers[i];
-        m->layers[i] = (Layer){.ln1 = norm(src->ln1), .ln2 = norm(src->ln2), .attn = linear(src->attn, 3 * c, c),
-                               .proj = linear(src->proj, c, c), .fc = linear(src->fc, 4 * c, c),
-                               .mproj = linear(src->mproj, c, 4 * c), .k = src->k, .v = src->v};
+        m->layers[i] = (Layer){.ln1 = norm(src->ln1), .ln2 = norm(src->ln2), .attn = linear(src->attn, m->qkv_w, c),
+                               .proj = linear(src->proj, c, c), .fc = linear(src->fc, m->fc_w, c),
+                               .mproj = linear(src->mproj, c, m->hidden), .k = src->k, .v = src->v};
     }
     m->lnf = norm(w->lnf);
     m->head = linear(w->head, cfg->vocab, c);
@@ -617,7 +735,8 @@ void ns_free(ns_model *m) {
         for (int i = 0; i < n_linears(m); i++) free(linear_at(m, i)->tiles), free(linear_at(m, i)->i8sum);
     free(m->xq), free(m->xqs);
     free(m->xb), free(m->hb), free(m->yb), free(m->fb);
-    free(m->layers), free(m->x), free(m->qkv), free(m->y), free(m->f), free(m->h), free(m->hn), free(m->att), free(m->block), free(m->next);
+    free(m->layers), free(m->x), free(m->qkv), free(m->y), free(m->f), free(m->g), free(m->h), free(m->hn), free(m->att);
+    free(m->block), free(m->next), free(m->rope_cos), free(m->rope_sin);
     free(m->seen), free(m->smp);
     free(m);
 }

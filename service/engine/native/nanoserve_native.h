@@ -1,4 +1,5 @@
-/* nanoserve's native step: one forward of a GPT-2 decoder over token rows on CPU, and the sampler
+/* nanoserve's native step: one forward of a decoder of the GPT-2 or the Llama family over token
+ * rows on CPU, and the sampler
  * that draws the rows' next tokens. This header is the library's whole interface: every exported
  * function, its parameter structs and the constants a caller needs. service/engine/native_abi.py
  * mirrors it for ctypes and checks, when it loads the library, that the library's ABI version,
@@ -23,7 +24,7 @@ extern "C" {
 
 #define NS_API __attribute__((visibility("default")))
 
-#define NS_ABI_VERSION 2
+#define NS_ABI_VERSION 3
 
 /* Linear weights come packed in panels of NS_PANEL output features: panel p holds W[p * NS_PANEL + j][k]
  * at [p][k][j] (float32), or, in bfloat16, features j and j + NS_PANEL / 2 of input k side by side,
@@ -43,6 +44,11 @@ enum ns_type { NS_F32 = 0, NS_BF16 = 1, NS_I8 = 2 };
  * layers' inputs to bfloat16. Levels up to NS_ISA_AVX512 compute the same function. */
 enum ns_isa { NS_ISA_C = 0, NS_ISA_AVX2 = 1, NS_ISA_AVX512 = 2, NS_ISA_AVX512BF16 = 3, NS_ISA_AMX = 4 };
 
+/* The family choices of ns_config (model/config.py's GPTConfig): GPT-2's are 0. */
+enum ns_norm_kind { NS_LAYERNORM = 0, NS_RMSNORM = 1 };
+enum ns_mlp_kind { NS_GELU = 0, NS_SWIGLU = 1 };
+enum ns_positions { NS_LEARNED = 0, NS_ROPE = 1 };
+
 /* A model: what ns_create makes, opaque to the caller. */
 typedef struct ns_model ns_model;
 
@@ -53,9 +59,15 @@ typedef struct {
     int32_t slots, window;    /* the KV cache: sequences and positions per sequence */
     int32_t max_rows;         /* the most rows one ns_step takes */
     int32_t max_threads;      /* the most threads ns_step and ns_sample are asked to use */
-    float eps;                /* the layer norms' epsilon */
+    float eps;                /* the norms' epsilon */
     int32_t weight_type;      /* enum ns_type of the linear weights and embeddings */
     int32_t kv_type;          /* enum ns_type of the KV cache */
+    int32_t n_kv_head;        /* key/value heads, dividing n_head (grouped-query attention) */
+    int32_t mlp_hidden;       /* the MLP's width (GPT-2: 4 n_embd) */
+    int32_t norm;             /* enum ns_norm_kind: LayerNorm (w, b) or RMSNorm (w only) */
+    int32_t mlp;              /* enum ns_mlp_kind: GELU (tanh form) or SwiGLU */
+    int32_t positions;        /* enum ns_positions: learned (wpe) or rotary (no weights) */
+    double rope_theta;        /* rotary positions' base ("rotate half" layout, HF Llama's) */
 } ns_config;
 
 typedef struct {
@@ -71,17 +83,24 @@ typedef struct {
     const float *scale;
 } ns_linear;
 
+/* Attention's attn is (n_embd + 2 kv, n_embd), kv = n_kv_head head_dim: the queries, then the keys
+ * and the values. The MLP's fc is (hidden, n_embd) for GELU; for SwiGLU it is the gate (W1) and up
+ * (W3) projections interleaved panel by panel, each padded with zeros to whole panels (hp =
+ * mlp_hidden rounded up to NS_PANEL): (2 hp, n_embd), panel 2i holding gate features i NS_PANEL..,
+ * panel 2i + 1 up's, so that one panel pair gives silu(gate) * up for NS_PANEL features. mproj
+ * is (n_embd, mlp_hidden). */
 typedef struct {
     ns_norm ln1;
-    ns_linear attn, proj; /* attention's (3 n_embd, n_embd) and (n_embd, n_embd) */
+    ns_linear attn, proj;
     ns_norm ln2;
-    ns_linear fc, mproj;  /* the MLP's (4 n_embd, n_embd) and (n_embd, 4 n_embd) */
-    void *k, *v;          /* the layer's KV cache, (slots, n_head, window, head_dim) of kv_type each */
+    ns_linear fc, mproj;
+    void *k, *v; /* the layer's KV cache, (slots, n_kv_head, window, head_dim) of kv_type each */
 } ns_layer;
 
 typedef struct {
-    /* (vocab, n_embd) and (positions, n_embd) of the weight type. wte NULL: the output layer is
-     * tied to the embeddings, which are then read from its panels (held once). */
+    /* (vocab, n_embd) and (positions, n_embd) of the weight type; wpe NULL with rotary positions.
+     * wte NULL: the output layer is tied to the embeddings, which are then read from its panels
+     * (held once). */
     const void *wte, *wpe;
     const ns_layer *layers; /* n_layer of them; read by ns_create, not kept */
     ns_norm lnf;
@@ -133,8 +152,9 @@ typedef struct {
 
 /* One forward over args->rows token rows: decode rows, or the tokens of prompt chunks (a
  * sequence's rows in position order), each writing its key and value into its slot at its
- * position and attending over that slot's positions 0..pos. Nothing is checked: the caller keeps
- * every token, position, slot and out row in range. */
+ * position (a rotary model's key turned by its position) and attending over that slot's
+ * positions 0..pos. Nothing is checked: the caller keeps every token, position, slot and out row
+ * in range. */
 NS_API void ns_step(ns_model *model, const ns_step_args *args);
 
 /* ---------------------------------------------------------------- sampling */

@@ -1,4 +1,5 @@
-"""The native step (service/engine/native/decode.c) gives the torch decode step's logits."""
+"""The native step (service/engine/native/decode.c) gives the torch decode step's logits, and the
+model's for the Llama family."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.config import GPTConfig
 from model.gpt import GPT
-from service.engine.config import TILE_ISAS
+from service.engine.config import NATIVE_ISAS, TILE_ISAS
 from service.engine.kv_slots import SpanKVCache
 from service.engine.native_step import NativeStep, omp_entry_points
 from service.engine.packed_linear import PackedLinear
@@ -31,6 +32,24 @@ SHAPES = {
     "ragged": GPTConfig(vocab_size=97, block_size=48, n_layer=2, n_head=4, n_embd=40),
     "aligned": GPTConfig(vocab_size=64, block_size=48, n_layer=2, n_head=2, n_embd=64, bias=False),
 }
+
+
+def _llama(**sizes: Any) -> GPTConfig:
+    return GPTConfig(norm="rmsnorm", mlp="swiglu", positions="rope", block_size=48, **sizes)
+
+
+# The Llama family (RMSNorm, SwiGLU, rotary positions): grouped-query attention (two query heads
+# per key/value head), untied; multi-query with a group of six (more than the four queries one
+# pass of the vector kernel takes), biases and an MLP width of 40 (gate and up padded to whole
+# panels), tied; multi-head with heads of 64; heads of 10 (no vector kernel blocks).
+LLAMA_SHAPES = {
+    "llama gqa": _llama(vocab_size=97, n_layer=2, n_head=4, n_embd=64, n_kv_head=2, bias=False,
+                        tie_embeddings=False),
+    "llama mqa": _llama(vocab_size=64, n_layer=2, n_head=6, n_embd=96, n_kv_head=1, mlp_hidden=40),
+    "llama mha": _llama(vocab_size=64, n_layer=1, n_head=2, n_embd=128, bias=False, rope_theta=500000.0),
+    "llama ragged": _llama(vocab_size=97, n_layer=2, n_head=4, n_embd=40, n_kv_head=2, tie_embeddings=False),
+}
+ALL_SHAPES = {**SHAPES, **LLAMA_SHAPES}
 
 
 pytestmark = [pytest.mark.usefixtures("native_library"), pytest.mark.backends("native")]
@@ -73,7 +92,7 @@ def _prefilled(
 ) -> SpanKVCache:
     """A cache of `dtype` with slot s prefilled by `model` for lengths[s] positions."""
     cfg = model.config
-    cache = SpanKVCache(cfg.n_layer, slots, cfg.n_head, cfg.block_size, cfg.head_dim, dtype, "cpu")
+    cache = SpanKVCache(cfg.n_layer, slots, cfg.kv_heads, cfg.block_size, cfg.head_dim, dtype, "cpu")
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for slot, n in lengths.items():
@@ -132,24 +151,32 @@ def test_an_untied_output_layer_reads_its_own_weights_and_the_embeddings_theirs(
     torch.testing.assert_close(native(tokens, positions, slots), want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("shape", sorted(ALL_SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("level", NATIVE_ISAS)
 @torch.no_grad()
-def test_prompt_chunks_and_decode_rows_in_one_call_match_the_model(shape: str, dtype: torch.dtype) -> None:
+def test_prompt_chunks_and_decode_rows_in_one_call_match_the_model(
+    shape: str, dtype: torch.dtype, level: str
+) -> None:
     """A decode row, a first prompt chunk and a later chunk, in one call: every row's logits are
-    the model's for that position (a chunk's rows attend to each other's keys). A bfloat16 model
-    (weights and cache in bf16, arithmetic in float32) gives the logits of the float32 model with
-    the same weights over a bf16 cache, which torch's forward runs by widening the cache; on a
-    tile level (AVX512-BF16 or AMX), with each linear layer's input rounded to bf16 as well."""
-    model = native_model = _model(SHAPES[shape])
+    the model's for that position (a chunk's rows attend to each other's keys; a rotary model's
+    keys are cached turned, as the model caches them), at every kernel level this CPU runs. A
+    bfloat16 model (weights and cache in bf16, arithmetic in float32) gives the logits of the
+    float32 model with the same weights over a bf16 cache, which torch's forward runs by widening
+    the cache; on a tile level (AVX512-BF16 or AMX), with each linear layer's input rounded to bf16
+    as well."""
+    model = native_model = _model(ALL_SHAPES[shape])
     if dtype == torch.bfloat16:
         native_model, model = _bf16_pair(model)
     lengths = {2: 10, 5: 12}
-    tiles = NativeStep(native_model, _prefilled(model, 1, {}, dtype), max_threads=1).isa in TILE_ISAS
+    runs = NativeStep(native_model, _prefilled(model, 1, {}, dtype), max_threads=1, max_isa=level).isa
+    if runs != level:
+        pytest.skip(f"kernel level {level} does not run this model here (it runs {runs})")
+    tiles = level in TILE_ISAS
     with _bf16_inputs(model, tiles):  # the caches must be filled the same way
         native_cache = _prefilled(model, 8, lengths, dtype)
         torch_cache = _prefilled(model, 8, lengths, dtype)
-    native = NativeStep(native_model, native_cache, max_threads=2, max_rows=32)
+    native = NativeStep(native_model, native_cache, max_threads=2, max_rows=32, max_isa=level)
     gen = torch.Generator().manual_seed(3)
     work = [(2, 10, 1), (0, 0, 7), (5, 12, 5)]  # (slot, first position, tokens)
     tokens, positions, slots, want = [], [], [], []
@@ -170,22 +197,26 @@ def test_prompt_chunks_and_decode_rows_in_one_call_match_the_model(shape: str, d
         last = native(tokens, positions, slots, logit_rows=[0, 7, 12])  # writes the same keys again
     finally:
         torch.set_num_threads(1)
-    torch.testing.assert_close(every, torch.cat(want), rtol=2e-5, atol=2e-5)
+    # On the C level (products rounded before they are added) and the tile levels (inputs rounded to
+    # bf16), a bf16 model's float32 rounding difference now and then flips a bf16 rounding (of a
+    # cached key, of a linear layer's input): bf16's error, in the rows after it.
+    tol = 3e-2 if dtype == torch.bfloat16 and level not in ("avx2", "avx512") else 2e-5
+    torch.testing.assert_close(every, torch.cat(want), rtol=tol, atol=tol)
     assert torch.equal(last, every[[0, 7, 12]])
     for theirs, ours in zip(torch_cache.layers, native_cache.layers, strict=True):
         # Keys and values written in the cache's dtype; a bf16 rounding may land one unit apart.
-        tol = 2e-5 if dtype == torch.float32 else 1e-2
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(ours.k, theirs.k, rtol=tol, atol=tol)  # type: ignore[union-attr]
         torch.testing.assert_close(ours.v, theirs.v, rtol=tol, atol=tol)  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("shape", sorted(ALL_SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @torch.no_grad()
 def test_a_row_gets_the_same_bits_alone_batched_and_on_any_thread_count(
     shape: str, dtype: torch.dtype
 ) -> None:
-    model = _model(SHAPES[shape]).to(dtype)
+    model = _model(ALL_SHAPES[shape]).to(dtype)
     lengths = {0: 7, 1: 12, 2: 3, 3: 20}
     results = []
     # Three threads as well: each phase's chunks are cut into one part per thread (decode.c,
@@ -207,15 +238,18 @@ def test_a_row_gets_the_same_bits_alone_batched_and_on_any_thread_count(
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kernels", ["float32", "float32 avx2", "bfloat16", "bfloat16 widened"])
 @pytest.mark.parametrize("rows", [13, 28])  # AVX-512 blocks 7 + 6 and 12 + 8 + 8 (a last 1 or 4 evened)
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
 @torch.no_grad()
 def test_rows_in_several_blocks_get_their_bits_alone_on_wide_layers(
-    threads: int, kernels: str, rows: int
+    threads: int, kernels: str, rows: int, family: str
 ) -> None:
     # Wide enough that a thread's chunk of a layer holds two panel pairs or more, and more rows
     # than one kernel block (12 rows): on AVX-512 the kernels of every block then also prefetch
     # the next pair (matmul.inc AHEAD_LOOP, in PANEL512 and tiles.inc PANELDP), a second loop of each
     # kernel that must give the same bits as the plain loop a lone row runs.
     wide = GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=4, n_embd=256)
+    if family == "llama":  # SwiGLU's gate and up panel pairs in chunks too; four heads per key/value head
+        wide = _llama(vocab_size=64, n_layer=1, n_head=8, n_embd=256, n_kv_head=2, mlp_hidden=688)
     dtype = torch.float32 if kernels == "float32" else torch.bfloat16
     model = _model(wide).to(dtype)
     lengths = {s: 3 + s % 9 for s in range(rows)}
@@ -236,7 +270,7 @@ def test_rows_in_several_blocks_get_their_bits_alone_on_wide_layers(
 
 
 PROMPT_SHAPES = {  # head sizes 10 (no blocks), 32 (16-dim groups), 64 and 96 (64-dim groups, then 16)
-    **SHAPES,
+    **ALL_SHAPES,
     "heads of 64": GPTConfig(vocab_size=64, block_size=48, n_layer=2, n_head=2, n_embd=128),
     "heads of 96": GPTConfig(vocab_size=64, block_size=48, n_layer=1, n_head=2, n_embd=192),
 }
@@ -451,19 +485,19 @@ async def test_an_engine_on_the_native_step_holds_no_checkpoint_memory(
     assert token_ids(await collect(engine, "hello wor", max_new_tokens=20, temperature=0.0)) == want
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("shape", sorted(ALL_SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @torch.no_grad()
 def test_every_kernel_level_computes_the_same_logits(shape: str, dtype: torch.dtype) -> None:
     # 40 rows: blocks of 12, 12, 12 and 4 rows for the AVX-512 and AVX512-BF16 kernels (6 x 6 + 4
     # for AVX2, 32 + 8 for AMX); the ragged shape's 97 logits are 7 panels, so a panel pair and a
     # single panel run.
-    model = _model(SHAPES[shape]).to(dtype)
+    model = _model(ALL_SHAPES[shape]).to(dtype)
     rows = 40
     lengths = {s: 1 + (7 * s) % 40 for s in range(rows)}
     native = NativeStep(model, _prefilled(model, rows, lengths, dtype), max_threads=2)
     best = native.isa
-    tokens = [(5 * s + 3) % SHAPES[shape].vocab_size for s in range(rows)]
+    tokens = [(5 * s + 3) % ALL_SHAPES[shape].vocab_size for s in range(rows)]
     positions, slots = [lengths[s] for s in range(rows)], list(range(rows))
     torch.set_num_threads(2)
     try:
@@ -490,22 +524,22 @@ def test_every_kernel_level_computes_the_same_logits(shape: str, dtype: torch.dt
     if dtype == torch.float32:
         # The C kernels round each product before adding it (no FMA): float32 rounding apart.
         # (Not for bfloat16: keys and values stored in bf16 turn such a difference into bf16's.)
-        torch.testing.assert_close(by_level["avx512"], by_level["c"], rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(by_level["avx512"], by_level["c"], rtol=5e-5, atol=5e-5)
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("shape", sorted(ALL_SHAPES))
 @torch.no_grad()
 def test_the_two_tile_levels_compute_the_same_function(shape: str) -> None:
     # AVX512-BF16 and AMX take the same bf16-rounded inputs and exact bf16 products, summed in
     # another order: float32 rounding apart. A float32 cache here: in a bf16 one such a difference
     # can flip a stored key's bf16 rounding, which is bf16's error, not the kernels'.
-    model = _model(SHAPES[shape]).to(torch.bfloat16)
+    model = _model(ALL_SHAPES[shape]).to(torch.bfloat16)
     rows = 40
     lengths = {s: 1 + (7 * s) % 40 for s in range(rows)}
     native = NativeStep(model, _prefilled(model, rows, lengths, torch.float32), max_threads=2)
     if native.use_isa("amx") != "amx" or native.use_isa("avx512bf16") != "avx512bf16":
         pytest.skip(f"this CPU does not run both tile levels (the native step runs {native.isa})")
-    tokens = [(5 * s + 3) % SHAPES[shape].vocab_size for s in range(rows)]
+    tokens = [(5 * s + 3) % ALL_SHAPES[shape].vocab_size for s in range(rows)]
     positions, slots = [lengths[s] for s in range(rows)], list(range(rows))
     torch.set_num_threads(2)
     try:
@@ -517,13 +551,13 @@ def test_the_two_tile_levels_compute_the_same_function(shape: str) -> None:
     torch.testing.assert_close(dot, tiles, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("shape", sorted(ALL_SHAPES))
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @torch.no_grad()
 def test_on_a_tile_level_the_weights_are_held_once_with_the_same_logits(shape: str, tied: bool) -> None:
     # hold_once drops the linear layers' panels once the tile copy holds them (AVX512-BF16 or AMX);
     # a tied model then reads its embeddings from the output layer's tiles. Same logits, bit for bit.
-    model = _model(SHAPES[shape]).to(torch.bfloat16)
+    model = _model(ALL_SHAPES[shape]).to(torch.bfloat16)
     if not tied:
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 0.5)
     lengths = {0: 7, 1: 12, 2: 3}
