@@ -70,8 +70,9 @@ class Settings(BaseSettings):
     )
     prefill_budget: int = Field(default=256, ge=1, description="Prompt tokens prefilled per engine step.")
     idle_prefill_budget: int = Field(
-        default=2048, ge=1,
-        description="Prompt tokens prefilled per engine step while no sequence is decoding.",
+        default=256, ge=1,
+        description="Prompt tokens prefilled per engine step while no sequence is decoding "
+        "(larger: a burst of prompts in fewer forwards, each first token later).",
     )
     crop_policy: Literal["shift", "sliding"] = Field(
         default="shift", description="Past the window: shift (amortized) or sliding (nanoGPT's)."
