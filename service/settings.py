@@ -68,7 +68,11 @@ class Settings(BaseSettings):
         description="Tokens per sequence, prompt and output (default: the model's window); the KV "
         "cache holds max_seqs x max_context tokens.",
     )
-    prefill_budget: int = Field(default=256, ge=1, description="Prompt tokens prefilled per engine step.")
+    prefill_budget: int = Field(
+        default=96, ge=1,
+        description="Prompt tokens prefilled per engine step (smaller: steadier streams; a long prompt "
+        "takes more steps).",
+    )
     idle_prefill_budget: int = Field(
         default=256, ge=1,
         description="Prompt tokens prefilled per engine step while no sequence is decoding "

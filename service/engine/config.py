@@ -49,12 +49,15 @@ class EngineConfig:
     # Waiting requests one client (generate's `client`) may have; beyond, Overloaded. None: half
     # of max_queue, so one caller cannot fill the queue and turn everyone else away.
     max_waiting_per_client: int | None = None
-    prefill_budget: int = 256  # prompt tokens prefilled per step (chunked prefill)
+    # Prompt tokens prefilled per step (chunked prefill). Every decoding stream waits for the
+    # step's prompt chunks: at 32 streams through HTTP (124M bf16, 25-token prompts, alternating
+    # runs) 256 -> 96 took inter-token p99 from 133-140 to 59-68 ms and TTFT p50 from 176-205 to
+    # 120-163 ms at the same tokens/s, TTFT p99 414-449 -> 552-599 ms (a wave of prompts takes more
+    # steps). A long prompt alone takes more, smaller steps: raise it for long-prompt workloads.
+    prefill_budget: int = 96
     # Prompt tokens per step when no sequence is decoding (still cut into prefill_budget-sized
-    # chunks). Larger prefills a burst of prompts in fewer, bigger forwards, but every prompt of the
-    # burst then waits for the whole of it for its first token, and streams that start meanwhile
-    # stall behind it: at 32 streams through HTTP, 2048 gave TTFT p50 169-276 ms and inter-token
-    # p99 99-129 ms, 256 gave 94 ms and 53 ms at the same tokens/s (docs/performance.md).
+    # chunks): a larger one prefills a burst of prompts in fewer forwards, but every first token of
+    # the burst waits for all of it (with 96-token chunks, 2048 was no better than 256 in the same runs).
     idle_prefill_budget: int = 256
     crop_policy: str = "shift"  # shift (amortized, default) | sliding (exactly nanoGPT)
     shift_keep: int | None = None  # tokens kept on a context shift (default: window // 2)
