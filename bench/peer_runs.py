@@ -64,7 +64,8 @@ def bench_engine(
 ) -> Run:
     times = StepTimes()
     window = min(ckpt.config.block_size, 256)  # bounds KV memory; prompts + new tokens fit
-    cfg = {"max_context": window, **(cfg or {})}
+    # No prefix reuse: the timed run sends the warm-up's prompts again, which the peers recompute.
+    cfg = {"max_context": window, "prefix_cache": False, **(cfg or {})}
     config = EngineConfig(max_seqs=conc, max_queue=conc, dtype=ckpt.dtype, **cfg)
     engine = Engine(ckpt, config, observer=times)
     engine.start()

@@ -117,10 +117,15 @@ def one_server(way: str, dtype: str, args: argparse.Namespace, concs: list[int],
 
 
 def _loads(url: str, args: argparse.Namespace, concs: list[int], prompts: list[list[int]]) -> dict[int, Any]:
+    used = 0  # each request a prompt no earlier one of this server sent: no prompt cache helps
+
     def load(conc: int, requests: int) -> dict[str, Any]:
+        nonlocal used
+        assert used + requests <= len(prompts), "more requests than distinct prompts"
         config = LoadConfig(url=url, route="completions", concurrency=conc, requests=requests,
                             max_new_tokens=args.max_new_tokens, temperature=1.0, top_k=40, seed=0,
-                            prompt_ids=prompts, extra=SAMPLING)
+                            prompt_ids=prompts[used : used + requests], extra=SAMPLING)
+        used += requests
         return figures(run_loop(run_load(config)).summary())
 
     out = {}
