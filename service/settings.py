@@ -74,9 +74,8 @@ class Settings(BaseSettings):
         "takes more steps).",
     )
     idle_prefill_budget: int = Field(
-        default=256, ge=1,
-        description="Prompt tokens prefilled per engine step while no sequence is decoding "
-        "(larger: a burst of prompts in fewer forwards, each first token later).",
+        default=2048, ge=1,
+        description="Prompt tokens prefilled per engine step while no sequence is decoding.",
     )
     crop_policy: Literal["shift", "sliding"] = Field(
         default="shift", description="Past the window: shift (amortized) or sliding (nanoGPT's)."
