@@ -127,53 +127,41 @@ def in_fresh_process(fn: str, *args: Any) -> dict[str, float] | str:
 
 def _server(ckpt_dir: Path, dtype: str, prompts: list[list[int]], new: int, context: int,
             tokenizer: Any) -> dict[str, float]:
-    import asyncio
-
-    import httpx
-
     from tests.service.server import running_server
 
     env = {"NANOSERVE_MAX_SEQS": str(len(prompts)), "NANOSERVE_DTYPE": dtype,
            "NANOSERVE_LOG_LEVEL": "warning", "NANOSERVE_MAX_CONTEXT": str(context)}
     with running_server(ckpt_dir, env=env) as server:
-        async def one(client: httpx.AsyncClient, prompt: list[int]) -> None:
-            body = {"inputs": tokenizer.decode(prompt),
-                    "parameters": {"max_new_tokens": new, "temperature": 0.0}}
-            r = await client.post(f"{server.base_url}/generate", json=body, timeout=600)
-            r.raise_for_status()
-
-        async def go() -> None:
-            async with httpx.AsyncClient() as client:
-                await asyncio.gather(*(one(client, p) for p in prompts))
-
-        asyncio.run(go())
-        time.sleep(0.5)
-        return status_mb(server.process.pid)
+        bodies = [{"inputs": tokenizer.decode(p), "parameters": {"max_new_tokens": new, "temperature": 0.0}}
+                  for p in prompts]
+        return _loaded_rss(f"{server.base_url}/generate", bodies, server.process.pid)
 
 
 def _llama_server(gguf: Path, prompts: list[list[int]], new: int, context: int) -> dict[str, float]:
-    import asyncio
-
-    import httpx
-
     from bench.llama_cpp_build import locate
     from bench.llama_server import LlamaServerConfig, running_llama_server
     from tests.service.server import free_port
 
     config = LlamaServerConfig(slots=len(prompts), slot_context=context, threads=2)
     with running_llama_server(locate().server, gguf, config, free_port()) as server:
-        async def one(client: httpx.AsyncClient, prompt: list[int]) -> None:
-            body = {"prompt": prompt, "max_tokens": new, "temperature": 0.0}
-            r = await client.post(f"{server.base_url}/v1/completions", json=body, timeout=600)
-            r.raise_for_status()
+        bodies = [{"prompt": p, "max_tokens": new, "temperature": 0.0} for p in prompts]
+        return _loaded_rss(f"{server.base_url}/v1/completions", bodies, server.process.pid)
 
-        async def go() -> None:
-            async with httpx.AsyncClient() as client:
-                await asyncio.gather(*(one(client, p) for p in prompts))
 
-        asyncio.run(go())
-        time.sleep(0.5)
-        return status_mb(server.process.pid)
+def _loaded_rss(url: str, bodies: list[dict[str, Any]], pid: int) -> dict[str, float]:
+    """Every body POSTed to `url` at once; then the server's resident memory (status_mb)."""
+    import asyncio
+
+    import httpx
+
+    async def go() -> None:
+        async with httpx.AsyncClient() as client:
+            for r in await asyncio.gather(*(client.post(url, json=b, timeout=600) for b in bodies)):
+                r.raise_for_status()
+
+    asyncio.run(go())
+    time.sleep(0.5)
+    return status_mb(pid)
 
 
 def kv_cache_mb(cfg: Any, conc: int, context: int, dtype: str) -> dict[str, float]:

@@ -334,13 +334,18 @@ def test_closing_a_stream_frees_its_slot(client: openai.OpenAI, server: ServerPr
             break
     stream.close()
     # The engine cancels it (rather than generating all its tokens) and frees the slot.
+    _assert_cancelled(server, cancelled, before + 1)
+
+
+def _assert_cancelled(server: ServerProcess, cancelled: str, want: float) -> None:
+    """Within 20 s the cancelled counter reaches `want` and no sequence holds a slot."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         metrics = httpx.get(server.base_url + "/metrics", timeout=5).text
-        if metric_value(metrics, cancelled) == before + 1 and "nanoserve_running_sequences 0.0" in metrics:
+        if metric_value(metrics, cancelled) == want and "nanoserve_running_sequences 0.0" in metrics:
             break
         time.sleep(0.1)
-    assert metric_value(metrics, cancelled) == before + 1
+    assert metric_value(metrics, cancelled) == want
     assert "nanoserve_running_sequences 0.0" in metrics
 
 
@@ -354,14 +359,7 @@ def test_closing_a_stream_of_several_prompts_cancels_them_all(client: openai.Ope
         if i == 5:
             break
     stream.close()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        metrics = httpx.get(server.base_url + "/metrics", timeout=5).text
-        if metric_value(metrics, cancelled) == before + 2 and "nanoserve_running_sequences 0.0" in metrics:
-            break
-        time.sleep(0.1)
-    assert metric_value(metrics, cancelled) == before + 2
-    assert "nanoserve_running_sequences 0.0" in metrics
+    _assert_cancelled(server, cancelled, before + 2)
     # One prompt failing inside the engine ends the shared stream with the error event.
     with pytest.raises(openai.APIError, match="non-finite logits"):
         for _ in client.completions.create(model="tiny-test", prompt=["Hath", f"{FAULT_MARKER} x"],
