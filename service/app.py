@@ -74,6 +74,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_context=settings.max_context,
         prefill_budget=settings.prefill_budget,
         idle_prefill_budget=settings.idle_prefill_budget,
+        waiting_served_ratio=settings.waiting_served_ratio,
         crop_policy=settings.crop_policy,
         shift_keep=settings.shift_keep,
         reject_long_prompts=settings.reject_long_prompts,

@@ -77,6 +77,11 @@ class Settings(BaseSettings):
         default=2048, ge=1,
         description="Prompt tokens prefilled per engine step while no sequence is decoding.",
     )
+    waiting_served_ratio: float = Field(
+        default=1.2, gt=0,
+        description="The idle prefill budget also applies while requests prefilling outnumber those "
+        "decoding by this ratio (TGI's option): a wave of prompts is prefilled in one step.",
+    )
     crop_policy: Literal["shift", "sliding"] = Field(
         default="shift", description="Past the window: shift (amortized) or sliding (nanoGPT's)."
     )

@@ -59,6 +59,12 @@ class EngineConfig:
     # chunks): nobody's next token waits on such a step, so a burst of prompts is prefilled in one
     # forward, not several (through HTTP at 32 streams, 2048 and 256 measured alike).
     idle_prefill_budget: int = 2048
+    # The idle budget also applies while prompts outnumber decoding rows by this ratio (TGI's
+    # waiting_served_ratio, its default): a wave of requests arriving together is prefilled in one
+    # forward instead of being interleaved in prefill_budget-sized chunks with the decode steps of
+    # its first few members, which made the wave's last first token (TTFT p99) wait for those
+    # steps and those members' next tokens wait for the chunks (inter-token p99).
+    waiting_served_ratio: float = 1.2
     crop_policy: str = "shift"  # shift (amortized, default) | sliding (exactly nanoGPT)
     shift_keep: int | None = None  # tokens kept on a context shift (default: window // 2)
     reject_long_prompts: bool = False  # True: PromptTooLong instead of cropping
@@ -114,6 +120,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.waiting_served_ratio > 0:
+            raise ValueError(f"waiting_served_ratio must be positive, got {self.waiting_served_ratio!r}")
         if self.crop_policy not in CROP_POLICIES:
             raise ValueError(f"crop_policy must be shift or sliding, got {self.crop_policy!r}")
         if self.max_context is not None and self.max_context < 2:

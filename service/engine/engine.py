@@ -332,6 +332,7 @@ class Engine:
             "max_queue": self.config.max_queue,
             "prefill_budget": self.config.prefill_budget,
             "idle_prefill_budget": self.config.idle_prefill_budget,
+            "waiting_served_ratio": self.config.waiting_served_ratio,
             "crop_policy": self.config.crop_policy,
             "shift_keep": self.config.keep_tokens(self.window),
             "reject_long_prompts": self.config.reject_long_prompts,

@@ -178,14 +178,16 @@ class Scheduler:
 
         A chunk is min(pending, prefill_budget) whatever else runs, so a request is cut into the
         same chunks alone or batched (the first chunk of a step always fits the budget). When no
-        row decodes, the step's budget is the larger idle one: a burst of prompts is prefilled
-        in one forward instead of a few, and nobody's next token waits for it.
+        row decodes, or prompts outnumber decoding rows by waiting_served_ratio, the step's budget
+        is the larger idle one: a burst of prompts is prefilled in one forward instead of a few,
+        and at most a few streams' next tokens wait for it.
         """
         items: list[WorkItem] = []
-        decoding = any(req.pending == 1 and req.leader is None for req in self.running)
+        leaders = [req for req in self.running if req.leader is None]
+        decoding = sum(req.pending == 1 for req in leaders)
         budget = self.config.prefill_budget
-        if not decoding:  # never below the normal budget, so the first chunk always fits
-            budget = max(budget, self.config.idle_prefill_budget)
+        if len(leaders) - decoding >= self.config.waiting_served_ratio * decoding:
+            budget = max(budget, self.config.idle_prefill_budget)  # the first chunk always fits
         for req in self.running:
             if req.leader is not None:  # waits for its leader's prefill (share_prefill)
                 continue
