@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +26,69 @@ def write_results(out: str | Path, payload: dict[str, Any], md: str) -> None:
     path.with_name(path.name + ".md").write_text(md)
 
 
-def machine() -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+def cpuinfo_fields(text: str) -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo's text: every core is the same part."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
                 break
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def _int(value: str | None) -> int | None:
+    try:  # /proc/cpuinfo writes family and model in decimal
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:32] or "cpu"
+
+
+# AMD family 0x19's model ranges: Zen 3 (Milan, Vermeer, Cezanne, ...) and Zen 4 (Genoa, Raphael,
+# Phoenix, Bergamo, ...). Cloud VMs name them all "AMD EPYC", so the model number tells them apart.
+_ZEN3 = ((0x00, 0x0F), (0x20, 0x5F))
+_ZEN4 = ((0x10, 0x1F), (0x60, 0x7F), (0xA0, 0xAF))
+
+
+def microarch(vendor: str, family: int | None, model: int | None, name: str) -> str:
+    """A short name for the CPU's microarchitecture ("zen3", "zen4", "zen5"), else a slug of its
+    model name: the tag results files are named by."""
+    if vendor == "AuthenticAMD" and family == 0x19 and model is not None:
+        for arch, ranges in (("zen3", _ZEN3), ("zen4", _ZEN4)):
+            if any(lo <= model <= hi for lo, hi in ranges):
+                return arch
+    if vendor == "AuthenticAMD" and family == 0x1A:
+        return "zen5"
+    return slug(name)
+
+
+def machine() -> dict[str, Any]:
+    try:
+        info = cpuinfo_fields(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
+        info = {}
+    cpu = info.get("model name", "unknown")
+    vendor = info.get("vendor_id", "unknown")
+    family, model = _int(info.get("cpu family")), _int(info.get("model"))
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu,
+    return {"cpu": cpu, "vendor_id": vendor, "cpu_family": family, "cpu_model": model,
+            "microarch": microarch(vendor, family, model, cpu if cpu != "unknown" else ""),
+            "cores": os.cpu_count(), "gpu": gpu,
             "torch": torch.__version__, "python": platform.python_version()}
+
+
+def cpu_label(m: dict[str, Any]) -> str:
+    """The CPU as a report's Machine line names it: "AMD EPYC (zen4)". Just the name where the
+    microarchitecture is only the name's slug, or was not recorded (older results files)."""
+    arch = m.get("microarch")
+    return f"{m['cpu']} ({arch})" if arch and arch != slug(str(m["cpu"])) else str(m["cpu"])
 
 
 def load_avg() -> str:

@@ -27,7 +27,6 @@ Not a test: nothing here asserts a speed.
 from __future__ import annotations
 
 import argparse
-import re
 import shlex
 import subprocess
 import sys
@@ -72,13 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "llama.cpp q8_0 only)")
     ap.add_argument("--int8-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="nanoserve's dtype beside int8 weights (embeddings, activations, KV cache)")
-    ap.add_argument("--machine", default=None, help="results name tag (default: from the CPU's name)")
+    ap.add_argument("--machine", default=None,
+                    help="results name tag (default: the CPU's microarchitecture, e.g. zen4)")
     ap.add_argument("--out", default=None, help="results path without suffix")
     return ap
-
-
-def machine_tag(cpu: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", cpu.lower()).strip("-")[:32] or "cpu"
 
 
 def nanoserve_int8(args: argparse.Namespace) -> str | None:
@@ -199,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             "gguf_types": {d: OUTTYPES[GGUF_TYPE[d]] for d in args.dtypes.split(",")}}
     payload, md = render(meta, runs, unavailable)
     print(md)
-    out = args.out or RESULTS / f"server-vs-llama-{args.machine or machine_tag(m['cpu'])}-{args.shape}"
+    out = args.out or RESULTS / f"server-vs-llama-{args.machine or m['microarch']}-{args.shape}"
     write_results(out, payload, md)
     return 0
 
