@@ -8,6 +8,7 @@ from typing import Any
 
 from bench.levers import lever_table
 from bench.limits import model_costs
+from bench.record import cpu_label
 from bench.shapes import DTYPES, SHAPES
 from bench.throughput_runs import Run, ShapeResult
 
@@ -77,7 +78,7 @@ def render(meta: dict[str, Any], results: list[ShapeResult], extra: str = "") ->
          "prompt_tokens": r.prompt_tokens, "new_tokens": r.new_tokens,
          "run_bound_tps": {c: r.bound_tps(c) for c in sorted({x.concurrency for x in r.runs})},
          "runs": [{**vars(x), "tps": x.tps} for x in r.runs]} for r in results]}
-    header = (f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
+    header = (f"Machine: {cpu_label(meta['machine'])}, {meta['machine']['cores']} cores, torch "
               f"{meta['machine']['torch']}, {args['threads']} threads; {meta['utc']}; load before/after "
               f"{meta['load_before']} / {meta['load_after']}.\n\n")
     limits = "\n".join(

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.record import RESULTS, machine
+from bench.record import RESULTS, cpu_label, machine
 from bench.shapes import SHAPES
 from bench.timing import best_median_s
 from model.gpt import GPT
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                    "| native GB/s (batch 1) | native on AVX2 kernels / native |", "|---" * 8 + "|"]
     m = machine()
     header = [
-        f"Machine: {m['cpu']}, {m['cores']} cores, torch {torch.__version__}, {args.threads} threads; "
+        f"Machine: {cpu_label(m)}, {m['cores']} cores, torch {torch.__version__}, {args.threads} threads; "
         f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}. {what}; median of {args.steps} "
         f"forwards per round, best of {args.rounds} alternating rounds.",
         "",

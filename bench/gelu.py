@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.record import RESULTS, load_avg, machine
+from bench.record import RESULTS, cpu_label, load_avg, machine
 from service.engine.packed_linear import SigmoidGELU, sigmoid_gelu
 
 ROWS = [1, 8, 16, 32, 64, 128, 1024]
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     lines = [
-        f"Machine: {machine()['cpu']}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"Machine: {cpu_label(machine())}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{args.threads} threads; "
         f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}; load {load_avg()}.",
         "",

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.record import RESULTS, load_avg, machine, write_results
+from bench.record import RESULTS, cpu_label, load_avg, machine, write_results
 from bench.serving import in_process
 from service.engine.threads import single_threaded_elsewhere
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     meta.update(load_after=load_avg(), machine=machine(), args=vars(args))
     best = {way: max(r["tokens_per_s"] for r in rs) for way, rs in runs.items()}
     md = (
-        f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; {meta['utc']}; load "
+        f"Machine: {cpu_label(meta['machine'])}, {meta['machine']['cores']} cores; {meta['utc']}; load "
         f"before/after {meta['load_before']} / {meta['load_after']}. In-process engine, "
         f"{Path(args.checkpoint).name}, 32 clients, 256 requests x 64 new tokens; the other work is "
         f"busy {args.share:.0%} of one core; every run listed, alternating.\n\n"

@@ -235,7 +235,7 @@ def table_row(shape: str, dtype: str, rows: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.record import RESULTS, load_avg, machine, write_results
+    from bench.record import RESULTS, cpu_label, load_avg, machine, write_results
 
     ap = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["10.7M", "124M"])
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     meta: dict[str, Any] = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                             "load_before": load_avg(), "machine": machine(), "args": vars(args)}
     results: dict[str, Any] = {}
-    lines = [f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; {meta['utc']}. "
+    lines = [f"Machine: {cpu_label(meta['machine'])}, {meta['machine']['cores']} cores; {meta['utc']}. "
              f"{args.concurrency} sequences x ({PROMPT_TOKENS} prompt + {args.new} new tokens), room for "
              f"{args.context} tokens each; "
              "resident MiB after the run (peak in brackets), each peer in a fresh process; the "

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench.record import machine
+from bench.record import cpu_label, machine
 from bench.shapes import DTYPES, SHAPES
 from bench.timing import round_medians_s
 from model.config import GPTConfig
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         base, head = label(args.base), label(args.head)
         lines = [
-            f"Machine: {m['cpu']}, {m['cores']} cores; {when}. {args.shape} {args.dtype}, decode rows at "
+            f"Machine: {cpu_label(m)}, {m['cores']} cores; {when}. {args.shape} {args.dtype}, decode rows at "
             f"position {args.position}; {args.rounds} rounds of {args.steps} forwards, two instances of each "
             "build (made base, head, head, base), the order turned each round.",
             "",

@@ -10,8 +10,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -70,6 +68,8 @@ def microarch(vendor: str, family: int | None, model: int | None, name: str) -> 
 
 
 def machine() -> dict[str, Any]:
+    import torch  # here, not above: the report modules that only render results stay torch-free
+
     try:
         info = cpuinfo_fields(Path("/proc/cpuinfo").read_text())
     except OSError:

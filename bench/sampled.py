@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from bench.peers import PeerProcess
-from bench.record import RESULTS, load_avg, machine, write_results
+from bench.record import RESULTS, cpu_label, load_avg, machine, write_results
 
 SETTINGS: dict[str, dict[str, float]] = {
     "greedy": {"temperature": 0.0},
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     concs = [int(c) for c in args.concurrency.split(",")]
     results = [r for dtype in args.dtypes.split(",") for r in run(args.shape, dtype, concs, args)]
     meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
-    md = (f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
+    md = (f"Machine: {cpu_label(meta['machine'])}, {meta['machine']['cores']} cores, torch "
           f"{meta['machine']['torch']}; {meta['utc']}; load before/after {meta['load_before']} / "
           f"{meta['load_after']}. {args.shape} random weights (near-uniform next-token "
           f"distributions), {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens a "

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from bench.record import RESULTS, load_avg, machine, write_results
+from bench.record import RESULTS, cpu_label, load_avg, machine, write_results
 from bench.timing import best_median_s
 from model.sampling import CANDIDATES, SamplingBatch, candidate_width, sample_tokens, seeded_uniform
 
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine:
         runs = run_engine(args.scale, args.concurrency)
         meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
-        md = (f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
+        md = (f"Machine: {cpu_label(meta['machine'])}, {meta['machine']['cores']} cores, torch "
               f"{meta['machine']['torch']}; {meta['utc']}; load before/after {meta['load_before']} / "
               f"{meta['load_after']}. The engine, 124M random weights, embedding x{args.scale} (first-step "
               f"entropy {runs[0]['entropy']:.1f} nats, top-64 mass {runs[0]['head_mass']:.2f}), "
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = run([int(r) for r in args.rows.split(",")], args.vocab, args.steps, args.rounds)
     meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
-    md = (f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
+    md = (f"Machine: {cpu_label(meta['machine'])}, {meta['machine']['cores']} cores, torch "
           f"{meta['machine']['torch']}, {args.threads} threads; {meta['utc']}; vocabulary {args.vocab}; "
           f"load before/after {meta['load_before']} / {meta['load_after']}. Milliseconds per call "
           f"(best of {args.rounds} rounds' medians); every candidates pick equalled the whole "

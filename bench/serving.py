@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.load import LoadConfig, new_tokens, percentiles, run_load, run_loop
-from bench.record import RESULTS, load_avg, machine, write_results
+from bench.record import RESULTS, cpu_label, load_avg, machine, write_results
 from bench.shapes import SHAPES, random_model, random_prompts
 from service.engine.threads import single_threaded_elsewhere
 from service.heap import freeze_startup_heap
@@ -192,7 +192,7 @@ def _run(args: argparse.Namespace, ckpt: Path, name: str, started: dict[str, Any
                       f"{r['ttft_s']['p50']:.3f}s p99 {r['ttft_s']['p99']:.3f}s", flush=True)
     meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
     md = (
-        f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; {meta['utc']}; load "
+        f"Machine: {cpu_label(meta['machine'])}, {meta['machine']['cores']} cores; {meta['utc']}; load "
         f"before/after {meta['load_before']} / {meta['load_after']}. Model: {name}, "
         f"{args.concurrency} concurrent clients, {args.requests} requests x {args.max_new_tokens} "
         f"new tokens{f' +- up to {args.spread}' if args.spread else ''}, temperature 1, best of "
