@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     # Every peer runs in a process of its own (bench/peers.py); this one only drives them.
     single_threaded_elsewhere()
     concs = [int(c) for c in args.concurrency.split(",")]
-    started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_before": load_avg()}
+    started = {"load_before": load_avg()}
     results = [
         run_shape(shape, dtype, concs, args)
         for shape in args.shapes.split(",") for dtype in args.dtypes.split(",")

@@ -79,7 +79,7 @@ def render(meta: dict[str, Any], results: list[ShapeResult], extra: str = "") ->
          "run_bound_tps": {c: r.bound_tps(c) for c in sorted({x.concurrency for x in r.runs})},
          "runs": [{**vars(x), "tps": x.tps} for x in r.runs]} for r in results]}
     header = (f"Machine: {cpu_label(meta['machine'])}, {meta['machine']['cores']} cores, torch "
-              f"{meta['machine']['torch']}, {args['threads']} threads; {meta['utc']}; load before/after "
+              f"{meta['machine']['torch']}, {args['threads']} threads; load before/after "
               f"{meta['load_before']} / {meta['load_after']}.\n\n")
     limits = "\n".join(
         f"- {r.shape} {r.dtype}: {r.limits['bandwidth_GBps']:.1f} GB/s read{_reads(r.limits)} -> "

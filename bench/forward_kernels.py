@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -190,9 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                    "| native GB/s (batch 1) | native on AVX2 kernels / native |", "|---" * 8 + "|"]
     m = machine()
     header = [
-        f"Machine: {cpu_label(m)}, {m['cores']} cores, torch {torch.__version__}, {args.threads} threads; "
-        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}. {what}; median of {args.steps} "
-        f"forwards per round, best of {args.rounds} alternating rounds.",
+        f"Machine: {cpu_label(m)}, {m['cores']} cores, torch {torch.__version__}, {args.threads} threads. "
+        f"{what}; median of {args.steps} forwards per round, best of {args.rounds} alternating rounds.",
         "",
         *columns,
     ]

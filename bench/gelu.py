@@ -58,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     lines = [
         f"Machine: {cpu_label(machine())}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{args.threads} threads; "
-        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}; load {load_avg()}.",
+        f"{args.threads} threads; load {load_avg()}.",
         "",
         "Median microseconds for the GELU alone; fused = oneDNN linear (384 -> width) with the GELU "
         "post-op minus the same linear without it.",

@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "interference"))
     args = ap.parse_args(argv)
     single_threaded_elsewhere()
-    meta: dict[str, Any] = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                            "load_before": load_avg()}
+    meta: dict[str, Any] = {"load_before": load_avg()}
     ways = ("alone", "process", "thread")
     runs: dict[str, list[dict[str, Any]]] = {way: [] for way in ways}
     for _ in range(args.repeats):
@@ -82,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     meta.update(load_after=load_avg(), machine=machine(), args=vars(args))
     best = {way: max(r["tokens_per_s"] for r in rs) for way, rs in runs.items()}
     md = (
-        f"Machine: {cpu_label(meta['machine'])}, {meta['machine']['cores']} cores; {meta['utc']}; load "
+        f"Machine: {cpu_label(meta['machine'])}, {meta['machine']['cores']} cores; load "
         f"before/after {meta['load_before']} / {meta['load_after']}. In-process engine, "
         f"{Path(args.checkpoint).name}, 32 clients, 256 requests x 64 new tokens; the other work is "
         f"busy {args.share:.0%} of one core; every run listed, alternating.\n\n"

@@ -245,10 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=256, help="tokens per sequence every peer makes room for")
     ap.add_argument("--out", default=str(RESULTS / "memory"))
     args = ap.parse_args(argv)
-    meta: dict[str, Any] = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                            "load_before": load_avg(), "machine": machine(), "args": vars(args)}
+    meta: dict[str, Any] = {"load_before": load_avg(), "machine": machine(), "args": vars(args)}
     results: dict[str, Any] = {}
-    lines = [f"Machine: {cpu_label(meta['machine'])}, {meta['machine']['cores']} cores; {meta['utc']}. "
+    lines = [f"Machine: {cpu_label(meta['machine'])}, {meta['machine']['cores']} cores. "
              f"{args.concurrency} sequences x ({PROMPT_TOKENS} prompt + {args.new} new tokens), room for "
              f"{args.context} tokens each; "
              "resident MiB after the run (peak in brackets), each peer in a fresh process; the "

@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -149,10 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         libs = {"base": build(args.base, Path(tmp)), "head": build(args.head, Path(tmp))}
         steps = [step_for(libs[role], model, cfg, slots, DTYPES[args.dtype]) for role in MADE]
         m = machine()
-        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         base, head = label(args.base), label(args.head)
         lines = [
-            f"Machine: {cpu_label(m)}, {m['cores']} cores; {when}. {args.shape} {args.dtype}, decode rows at "
+            f"Machine: {cpu_label(m)}, {m['cores']} cores. {args.shape} {args.dtype}, decode rows at "
             f"position {args.position}; {args.rounds} rounds of {args.steps} forwards, two instances of each "
             "build (made base, head, head, base), the order turned each round.",
             "",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Any
 
 from bench.peers import PeerProcess
@@ -78,13 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default=str(RESULTS / "sampled"))
     args = ap.parse_args(argv)
-    started: dict[str, Any] = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                               "load_before": load_avg()}
+    started: dict[str, Any] = {"load_before": load_avg()}
     concs = [int(c) for c in args.concurrency.split(",")]
     results = [r for dtype in args.dtypes.split(",") for r in run(args.shape, dtype, concs, args)]
     meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
     md = (f"Machine: {cpu_label(meta['machine'])}, {meta['machine']['cores']} cores, torch "
-          f"{meta['machine']['torch']}; {meta['utc']}; load before/after {meta['load_before']} / "
+          f"{meta['machine']['torch']}; load before/after {meta['load_before']} / "
           f"{meta['load_after']}. {args.shape} random weights (near-uniform next-token "
           f"distributions), {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens a "
           f"sequence, best of {args.repeats} alternating runs a peer.\n\n" + table(results) + "\n")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -253,13 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    started: dict[str, Any] = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                               "load_before": load_avg()}
+    started: dict[str, Any] = {"load_before": load_avg()}
     if args.engine:
         runs = run_engine(args.scale, args.concurrency)
         meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
         md = (f"Machine: {cpu_label(meta['machine'])}, {meta['machine']['cores']} cores, torch "
-              f"{meta['machine']['torch']}; {meta['utc']}; load before/after {meta['load_before']} / "
+              f"{meta['machine']['torch']}; load before/after {meta['load_before']} / "
               f"{meta['load_after']}. The engine, 124M random weights, embedding x{args.scale} (first-step "
               f"entropy {runs[0]['entropy']:.1f} nats, top-64 mass {runs[0]['head_mass']:.2f}), "
               f"{args.concurrency} x (16 + 16 tokens), temperature 1 unless greedy, best of 2.\n\n"
@@ -270,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run([int(r) for r in args.rows.split(",")], args.vocab, args.steps, args.rounds)
     meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
     md = (f"Machine: {cpu_label(meta['machine'])}, {meta['machine']['cores']} cores, torch "
-          f"{meta['machine']['torch']}, {args.threads} threads; {meta['utc']}; vocabulary {args.vocab}; "
+          f"{meta['machine']['torch']}, {args.threads} threads; vocabulary {args.vocab}; "
           f"load before/after {meta['load_before']} / {meta['load_after']}. Milliseconds per call "
           f"(best of {args.rounds} rounds' medians); every candidates pick equalled the whole "
           f"vocabulary's; native: the engine's sampler (typical_p's distances are float64 there, "

@@ -31,7 +31,6 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -186,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     except LlamaCppBuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_before": load_avg()}
+    started = {"load_before": load_avg()}
     with tempfile.TemporaryDirectory(prefix="nanoserve-vs-llama-") as tmp:
         runs, unavailable = measure(args, lc, Path(tmp))
     m = machine()

@@ -78,7 +78,7 @@ def render(meta: dict[str, Any], runs: dict[str, dict[int, dict[str, list[dict[s
     """runs[dtype][conc][way]: one figures dict per round. Returns (JSON payload, markdown)."""
     a = meta["args"]
     m = meta["machine"]
-    md = (f"Machine: {cpu_label(m)}, {m['cores']} cores; {meta['utc']}; load before/after "
+    md = (f"Machine: {cpu_label(m)}, {m['cores']} cores; load before/after "
           f"{meta['load_before']} / {meta['load_after']}. llama.cpp b{meta['llama_cpp']} "
           f"(llama-server: --parallel {a['slots']}, -c {a['slots']}x{a['slot_context']}, -t {a['threads']}; "
           f"nanoserve: max_seqs {a['slots']}, max_context {a['slot_context']}, {a['threads']} threads). "

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     # This process is the load generator both ways and the server in-process: keep full garbage
     # collections off its start-up heap as `nanoserve serve` does (service/app.py).
     freeze_startup_heap()
-    started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_before": load_avg()}
+    started = {"load_before": load_avg()}
     with tempfile.TemporaryDirectory(prefix="nanoserve-bench-") as tmp:
         if args.shape:
             ckpt, args.prompt = random_checkpoint(args.shape, Path(tmp))
@@ -192,7 +192,7 @@ def _run(args: argparse.Namespace, ckpt: Path, name: str, started: dict[str, Any
                       f"{r['ttft_s']['p50']:.3f}s p99 {r['ttft_s']['p99']:.3f}s", flush=True)
     meta = {**started, "load_after": load_avg(), "machine": machine(), "args": vars(args)}
     md = (
-        f"Machine: {cpu_label(meta['machine'])}, {meta['machine']['cores']} cores; {meta['utc']}; load "
+        f"Machine: {cpu_label(meta['machine'])}, {meta['machine']['cores']} cores; load "
         f"before/after {meta['load_before']} / {meta['load_after']}. Model: {name}, "
         f"{args.concurrency} concurrent clients, {args.requests} requests x {args.max_new_tokens} "
         f"new tokens{f' +- up to {args.spread}' if args.spread else ''}, temperature 1, best of "
