@@ -28,7 +28,7 @@ from service.engine.ids import new_id, new_seed
 from service.engine.inbox import Inbox
 from service.engine.request import Request
 from service.engine.runner import ModelRunner
-from service.engine.scheduler import Scheduler, StepResult, WaitingQueue
+from service.engine.scheduler import Scheduler, StepResult
 from service.engine.stream import GenerationStream
 from service.engine.threads import default_cpu_threads
 from service.engine.types import (
@@ -44,6 +44,7 @@ from service.engine.types import (
     TokenEvent,
 )
 from service.engine.validation import MAX_SEED, crop_prompt, effective_params, validate_ids, validate_params
+from service.engine.waiting_queue import WaitingQueue
 
 log = logging.getLogger(__name__)
 
