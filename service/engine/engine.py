@@ -19,6 +19,7 @@ import torch
 
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.tokenizer import Tokenizer, TokenizerError
+from service.engine import introspection
 from service.engine.backends import factory
 from service.engine.backends.factory import native_unavailable
 from service.engine.config import EngineConfig
@@ -293,60 +294,14 @@ class Engine:
 
     # ---- introspection -----------------------------------------------------------------
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        return EngineStats(
-            running=len(s.running),
-            waiting=len(self._waiting),
-            slots_used=self.config.max_seqs - len(s.free_slots),
-            slots_total=self.config.max_seqs,
-            kv_cache_bytes=self.runner.cache.nbytes,
-            steps=s.steps,
-            extra={
-                "generated_tokens_total": float(s.generated_tokens),
-                "prefill_tokens_total": float(s.prefilled_tokens),
-                "context_shifts_total": float(s.context_shifts),
-                "preemptions_total": float(s.preemptions),
-                # Prompt tokens of n > 1 / best_of choices copied from one prefill, not recomputed.
-                "prefill_tokens_shared_total": float(s.shared_prefill_tokens),
-                # Prompt prefix reuse (prefix_cache.py): placements that looked, that reused, and
-                # the prompt tokens they did not prefill.
-                "prefix_cache_lookups_total": float(s.prefix.lookups),
-                "prefix_cache_hits_total": float(s.prefix.hits),
-                "prefix_cache_reused_tokens_total": float(s.prefix.reused_tokens),
-            },
-        )
+        return introspection.engine_stats(self.scheduler, len(self._waiting), self.config, self.runner)
 
     def info(self) -> dict[str, Any]:
-        cfg = self.checkpoint.config
-        return {
-            "model": self.checkpoint.name,
-            "model_config": cfg.to_dict(),
-            "parameters": self.num_params,
-            "tokenizer": {"kind": self.tokenizer.kind, "vocab_size": self.tokenizer.vocab_size,
-                          "eos_id": self.tokenizer.eos_id},
-            "window": self.window,
-            "device": self.device,
-            "dtype": self.config.dtype,
-            "kv_cache_dtype": str(self.runner.cache.layers[0].k.dtype).removeprefix("torch."),
-            "dtype_matmul_slowdown_vs_float32": round(self.dtype_slowdown, 2),
-            "max_seqs": self.config.max_seqs,
-            "max_queue": self.config.max_queue,
-            "prefill_budget": self.config.prefill_budget,
-            "idle_prefill_budget": self.config.idle_prefill_budget,
-            "waiting_served_ratio": self.config.waiting_served_ratio,
-            "crop_policy": self.config.crop_policy,
-            "shift_keep": self.config.keep_tokens(self.window),
-            "reject_long_prompts": self.config.reject_long_prompts,
-            "deterministic": self.config.deterministic,
-            "prefix_cache": self.scheduler.prefix.enabled,  # off when deterministic on torch
-            "cpu_threads": self.runner.cpu_threads,
-            # Forward size (tokens, rounded up to a power of two) -> threads the tuner chose.
-            "cpu_threads_by_forward_size": {str(k): v for k, v in self.runner.threads.choices().items()},
-            # Which backend computes, with which kernels, and why it was chosen (backends/).
-            "backend": {**self.backend.describe(), "reason": self.backend_reason},
-            "kv_cache_bytes": self.runner.cache.nbytes,
-            "provenance": self.checkpoint.provenance,
-        }
+        return introspection.engine_info(
+            self.checkpoint, self.config, self.tokenizer, self.runner, self.scheduler,
+            num_params=self.num_params, window=self.window, device=self.device,
+            dtype_slowdown=self.dtype_slowdown, backend=self.backend, backend_reason=self.backend_reason,
+        )
 
     # ---- the engine thread -------------------------------------------------------------
     def _run(self) -> None:
