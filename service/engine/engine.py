@@ -19,7 +19,7 @@ import torch
 
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.tokenizer import Tokenizer, TokenizerError
-from service.engine import introspection
+from service.engine import admission, introspection
 from service.engine.backends import factory
 from service.engine.backends.factory import native_unavailable
 from service.engine.config import EngineConfig
@@ -40,7 +40,6 @@ from service.engine.types import (
     InvalidRequest,
     NotReady,
     NullObserver,
-    Overloaded,
     SamplingParams,
     TokenEvent,
 )
@@ -215,32 +214,14 @@ class Engine:
             raise NotReady("the engine is not running")
         if self._draining:
             raise NotReady("the engine is shutting down")
-        waiting = len(self._waiting)
-        if waiting >= self.config.max_queue:
-            raise Overloaded(
-                f"{waiting} requests are already waiting (max_queue {self.config.max_queue}); "
-                "retry later",
-                retry_after_s=self.expected_wait_s(),
-            )
-        # The client's share counts what waits beyond the free slots: requests queued a moment
-        # before the engine thread admits them to free slots are not the queue (a snapshot; the
-        # engine thread owns the slots).
-        mine, cap = self._waiting.by_client.get(client, 0), self.config.client_queue_share()
-        if client is not None and mine - len(self.scheduler.free_slots) >= cap:
-            raise Overloaded(
-                f"this client already has {mine} requests waiting (max_waiting_per_client {cap}); "
-                "retry later",
-                retry_after_s=self.expected_wait_s(),
-            )
+        admission.check_queue_room(self._waiting, self.scheduler.free_slots, self.config, client,
+                                   self.expected_wait_s)
 
     def expected_wait_s(self) -> float:
         """Seconds until a running request is expected to end and free a slot: the fewest tokens
         any of them has left, at the recent step time (an upper bound: a stop string or the
         end-of-text token may end one sooner). Read from the event loop: a snapshot, not exact."""
-        left = [r.params.max_new_tokens - len(r.generated) for r in list(self.scheduler.running)]
-        if not left:
-            return 1.0
-        return max(1.0, min(left) * self._step_s)
+        return admission.expected_wait_s(self.scheduler.running, self._step_s)
 
     def _submit(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, stream_interval: int,
