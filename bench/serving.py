@@ -36,7 +36,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.load import LoadConfig, new_tokens, percentiles, run_load, run_loop
+from bench.load import LoadConfig, run_load, run_loop
+from bench.load_config import new_tokens
+from bench.load_report import percentiles
 from bench.record import RESULTS, cpu_label, load_avg, machine, write_results
 from bench.shapes import SHAPES, random_model, random_prompts
 from service.engine.threads import single_threaded_elsewhere

@@ -19,6 +19,7 @@ import torch
 
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.tokenizer import Tokenizer, TokenizerError
+from service.engine import admission, introspection
 from service.engine.backends import factory
 from service.engine.backends.factory import native_unavailable
 from service.engine.config import EngineConfig
@@ -28,7 +29,7 @@ from service.engine.ids import new_id, new_seed
 from service.engine.inbox import Inbox
 from service.engine.request import Request
 from service.engine.runner import ModelRunner
-from service.engine.scheduler import Scheduler, StepResult, WaitingQueue
+from service.engine.scheduler import Scheduler, StepResult
 from service.engine.stream import GenerationStream
 from service.engine.threads import default_cpu_threads
 from service.engine.types import (
@@ -39,11 +40,11 @@ from service.engine.types import (
     InvalidRequest,
     NotReady,
     NullObserver,
-    Overloaded,
     SamplingParams,
     TokenEvent,
 )
 from service.engine.validation import MAX_SEED, crop_prompt, effective_params, validate_ids, validate_params
+from service.engine.waiting_queue import WaitingQueue
 
 log = logging.getLogger(__name__)
 
@@ -213,32 +214,14 @@ class Engine:
             raise NotReady("the engine is not running")
         if self._draining:
             raise NotReady("the engine is shutting down")
-        waiting = len(self._waiting)
-        if waiting >= self.config.max_queue:
-            raise Overloaded(
-                f"{waiting} requests are already waiting (max_queue {self.config.max_queue}); "
-                "retry later",
-                retry_after_s=self.expected_wait_s(),
-            )
-        # The client's share counts what waits beyond the free slots: requests queued a moment
-        # before the engine thread admits them to free slots are not the queue (a snapshot; the
-        # engine thread owns the slots).
-        mine, cap = self._waiting.by_client.get(client, 0), self.config.client_queue_share()
-        if client is not None and mine - len(self.scheduler.free_slots) >= cap:
-            raise Overloaded(
-                f"this client already has {mine} requests waiting (max_waiting_per_client {cap}); "
-                "retry later",
-                retry_after_s=self.expected_wait_s(),
-            )
+        admission.check_queue_room(self._waiting, self.scheduler.free_slots, self.config, client,
+                                   self.expected_wait_s)
 
     def expected_wait_s(self) -> float:
         """Seconds until a running request is expected to end and free a slot: the fewest tokens
         any of them has left, at the recent step time (an upper bound: a stop string or the
         end-of-text token may end one sooner). Read from the event loop: a snapshot, not exact."""
-        left = [r.params.max_new_tokens - len(r.generated) for r in list(self.scheduler.running)]
-        if not left:
-            return 1.0
-        return max(1.0, min(left) * self._step_s)
+        return admission.expected_wait_s(self.scheduler.running, self._step_s)
 
     def _submit(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, stream_interval: int,
@@ -292,60 +275,14 @@ class Engine:
 
     # ---- introspection -----------------------------------------------------------------
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        return EngineStats(
-            running=len(s.running),
-            waiting=len(self._waiting),
-            slots_used=self.config.max_seqs - len(s.free_slots),
-            slots_total=self.config.max_seqs,
-            kv_cache_bytes=self.runner.cache.nbytes,
-            steps=s.steps,
-            extra={
-                "generated_tokens_total": float(s.generated_tokens),
-                "prefill_tokens_total": float(s.prefilled_tokens),
-                "context_shifts_total": float(s.context_shifts),
-                "preemptions_total": float(s.preemptions),
-                # Prompt tokens of n > 1 / best_of choices copied from one prefill, not recomputed.
-                "prefill_tokens_shared_total": float(s.shared_prefill_tokens),
-                # Prompt prefix reuse (prefix_cache.py): placements that looked, that reused, and
-                # the prompt tokens they did not prefill.
-                "prefix_cache_lookups_total": float(s.prefix.lookups),
-                "prefix_cache_hits_total": float(s.prefix.hits),
-                "prefix_cache_reused_tokens_total": float(s.prefix.reused_tokens),
-            },
-        )
+        return introspection.engine_stats(self.scheduler, len(self._waiting), self.config, self.runner)
 
     def info(self) -> dict[str, Any]:
-        cfg = self.checkpoint.config
-        return {
-            "model": self.checkpoint.name,
-            "model_config": cfg.to_dict(),
-            "parameters": self.num_params,
-            "tokenizer": {"kind": self.tokenizer.kind, "vocab_size": self.tokenizer.vocab_size,
-                          "eos_id": self.tokenizer.eos_id},
-            "window": self.window,
-            "device": self.device,
-            "dtype": self.config.dtype,
-            "kv_cache_dtype": str(self.runner.cache.layers[0].k.dtype).removeprefix("torch."),
-            "dtype_matmul_slowdown_vs_float32": round(self.dtype_slowdown, 2),
-            "max_seqs": self.config.max_seqs,
-            "max_queue": self.config.max_queue,
-            "prefill_budget": self.config.prefill_budget,
-            "idle_prefill_budget": self.config.idle_prefill_budget,
-            "waiting_served_ratio": self.config.waiting_served_ratio,
-            "crop_policy": self.config.crop_policy,
-            "shift_keep": self.config.keep_tokens(self.window),
-            "reject_long_prompts": self.config.reject_long_prompts,
-            "deterministic": self.config.deterministic,
-            "prefix_cache": self.scheduler.prefix.enabled,  # off when deterministic on torch
-            "cpu_threads": self.runner.cpu_threads,
-            # Forward size (tokens, rounded up to a power of two) -> threads the tuner chose.
-            "cpu_threads_by_forward_size": {str(k): v for k, v in self.runner.threads.choices().items()},
-            # Which backend computes, with which kernels, and why it was chosen (backends/).
-            "backend": {**self.backend.describe(), "reason": self.backend_reason},
-            "kv_cache_bytes": self.runner.cache.nbytes,
-            "provenance": self.checkpoint.provenance,
-        }
+        return introspection.engine_info(
+            self.checkpoint, self.config, self.tokenizer, self.runner, self.scheduler,
+            num_params=self.num_params, window=self.window, device=self.device,
+            dtype_slowdown=self.dtype_slowdown, backend=self.backend, backend_reason=self.backend_reason,
+        )
 
     # ---- the engine thread -------------------------------------------------------------
     def _run(self) -> None:

@@ -14,7 +14,9 @@ import pytest
 from bench.gguf_convert import write_vocab
 from bench.llama_batched import batched_bench_args, parse_jsonl, parse_markdown, to_run
 from bench.llama_server import LlamaServerConfig
-from bench.load import LoadConfig, RequestResult, _read_stream, build_request
+from bench.load import LoadConfig, RequestResult
+from bench.load_config import build_request
+from bench.load_http import _read_stream
 from bench.server_vs_llama_report import compare, figures, table
 
 # llama-batched-bench's output, both formats, with llama.cpp's log on the same stream.

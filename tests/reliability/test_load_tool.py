@@ -9,7 +9,10 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 import pytest
 
-from bench.load import LoadConfig, SSEParser, build_request, main, new_tokens, percentiles, run_load
+from bench.load import LoadConfig, main, run_load
+from bench.load_config import build_request, new_tokens
+from bench.load_http import SSEParser
+from bench.load_report import percentiles
 
 
 def tgi_events(n: int, *, final: bool = True) -> list[bytes]:
