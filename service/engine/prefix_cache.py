@@ -60,13 +60,6 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
     return i
 
 
-def wants_every_prompt_position(req: Request) -> bool:
-    """Whether the request needs the logits of every prompt position (prompt logprobs: TGI's
-    `decoder_input_details`, OpenAI's `echo` with `logprobs`): a reused prefix computes none of
-    them, so such a request is placed without reuse."""
-    return req.needs_prompt_logits
-
-
 class PrefixCache:
     """Which free slots are warm, with which tokens; owned by the scheduler (engine thread)."""
 

@@ -24,7 +24,7 @@ import torch
 
 from model.tokenizer import Tokenizer
 from service.engine.config import EngineConfig
-from service.engine.prefix_cache import PrefixCache, wants_every_prompt_position
+from service.engine.prefix_cache import PrefixCache
 from service.engine.request import Request
 from service.engine.runner import ModelRunner
 from service.engine.types import FinishReason, TokenEvent, TopToken
@@ -80,7 +80,7 @@ class Scheduler:
     def admit(self, req: Request, now: float) -> None:
         """Seat `req` (and its followers) in free slots; `req` starts with whatever prefix of its
         context the prefix cache holds already in place."""
-        if wants_every_prompt_position(req):
+        if req.needs_prompt_logits:  # a reused prefix would compute none of its prompt's logits
             self._seat(req, self.prefix.cheapest(self.free_slots), now)
         else:
             # Placed where the longest prefix of its context is cached (prefix_cache.py).
@@ -184,14 +184,13 @@ class Scheduler:
         and at most a few streams' next tokens wait for it.
         """
         items: list[WorkItem] = []
+        # A follower waits for its leader's prefill (share_prefill): it plans nothing.
         leaders = [req for req in self.running if req.leader is None]
         decoding = sum(req.pending == 1 for req in leaders)
         budget = self.config.prefill_budget
         if len(leaders) - decoding >= self.config.waiting_served_ratio * decoding:
             budget = max(budget, self.config.idle_prefill_budget)  # the first chunk always fits
-        for req in self.running:
-            if req.leader is not None:  # waits for its leader's prefill (share_prefill)
-                continue
+        for req in leaders:
             pending = req.pending
             if pending == 1:
                 items.append(WorkItem(req, req.ctx[-1:], req.n_cached, completes=True))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,6 +32,16 @@ def openai_server(tiny_checkpoint: Path) -> Iterator[ServerProcess]:
     }
     with running_server(tiny_checkpoint, env=env, fault=f"nan:{FAULT_MARKER}") as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def openai_client(openai_server: ServerProcess) -> Iterator[Any]:
+    """The official `openai` client on openai_server: its API key, no retries."""
+    import openai
+
+    with openai.OpenAI(base_url=openai_server.base_url + "/v1", api_key=OPENAI_API_KEY, max_retries=0,
+                       timeout=60) as c:
+        yield c
 
 
 def metric_value(exposition: str, series: str) -> float:

@@ -4,7 +4,6 @@ prompt's scores are checked against the reference model's full forward over the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -22,10 +21,8 @@ AUTH = {"Authorization": f"Bearer {OPENAI_API_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def client(openai_server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=openai_server.base_url + "/v1", api_key=OPENAI_API_KEY, max_retries=0,
-                       timeout=60) as c:
-        yield c
+def client(openai_client: openai.OpenAI) -> openai.OpenAI:
+    return openai_client
 
 
 @pytest.fixture(scope="module")

@@ -39,10 +39,8 @@ def server(openai_server: ServerProcess) -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key=OPENAI_API_KEY, max_retries=0,
-                       timeout=60) as c:
-        yield c
+def client(openai_client: openai.OpenAI) -> openai.OpenAI:
+    return openai_client
 
 
 @pytest.fixture(scope="module")

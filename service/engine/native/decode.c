@@ -330,27 +330,17 @@ static inline void sync(const Job *job) {
 }
 
 /* One row of the residual stream through the model's norm (LayerNorm or RMSNorm) at its level. */
+typedef void (*norm_fn)(const float *x, float *out, int c, Norm n, float eps);
+
 static void norm_row(const Model *m, const float *x, float *out, Norm nm) {
-    const int c = m->n_embd;
-    if (m->rms) {
-#ifdef NS_X86
-        if (m->avx512)
-            rms_norm_avx512(x, out, c, nm, m->eps);
-        else if (m->avx2)
-            rms_norm_avx2(x, out, c, nm, m->eps);
-        else
-#endif
-            rms_norm_plain(x, out, c, nm, m->eps);
-        return;
-    }
+    norm_fn f = m->rms ? rms_norm_plain : layer_norm_plain;
 #ifdef NS_X86
     if (m->avx512)
-        layer_norm_avx512(x, out, c, nm, m->eps);
+        f = m->rms ? rms_norm_avx512 : layer_norm_avx512;
     else if (m->avx2)
-        layer_norm_avx2(x, out, c, nm, m->eps);
-    else
+        f = m->rms ? rms_norm_avx2 : layer_norm_avx2;
 #endif
-        layer_norm_plain(x, out, c, nm, m->eps);
+    f(x, out, m->n_embd, nm, m->eps);
 }
 
 /* Rows of the residual stream, normalised: all of them (sel NULL) or rows sel[0..n), compacted.
