@@ -46,7 +46,8 @@ cwarnings:
 # runtime is preloaded; leak checking is off (it would report the interpreter's own allocations).
 SANITIZED := build/sanitize/_decode.so
 NATIVE_TESTS := tests/service/engine/test_native_step.py tests/service/engine/test_native_sampler.py \
-                tests/service/engine/test_native_abi.py tests/service/engine/test_native_int8.py
+                tests/service/engine/test_native_abi.py tests/service/engine/test_native_int8.py \
+                tests/service/engine/test_native_head_screen.py
 sanitize: install
 	mkdir -p $(dir $(SANITIZED))
 	$(CC) -O3 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all \

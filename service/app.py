@@ -68,6 +68,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_cache_dtype=settings.kv_cache_dtype,
         native_isa=settings.native_isa,
         quantize=settings.quantize,
+        screen_head=settings.screen_head,
         max_seqs=settings.max_seqs,
         max_queue=settings.max_queue,
         max_waiting_per_client=settings.max_waiting_per_client,

@@ -57,6 +57,12 @@ class Settings(BaseSettings):
         description="Linear layers' weights: none (as loaded, in dtype) or int8 (symmetric, a scale per "
         "output feature, on the native CPU backend's int8 kernels; embeddings and KV cache keep dtype).",
     )
+    screen_head: bool = Field(
+        default=True,
+        description="A float32 model's output layer on the native backend computed in bf16 and only the "
+        "logits that could be a greedy or top-k row's k largest again in float32 (CPUs with AVX512-BF16): "
+        "the same tokens, bit for bit; holds two more copies of the output layer.",
+    )
     host: str = Field(default="127.0.0.1", min_length=1, description="Address to listen on.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")
 

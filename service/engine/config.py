@@ -95,6 +95,11 @@ class EngineConfig:
     # The linear layers' weights as loaded ("none") or quantized to int8 ("int8": the native
     # backend's int8 kernels; embeddings, norms and the KV cache keep `dtype`). CPU only.
     quantize: str = "none"
+    # A float32 model's output layer on the native backend, screened in bf16 where a step's rows all
+    # read only their k largest logits (greedy picks, top-k draws) and the CPU has AVX512-BF16: the
+    # same tokens and the same k largest logits, bit for bit (native/head_screen.inc). Costs a
+    # row-major float32 and a bf16 copy of the output layer's weights.
+    screen_head: bool = True
 
     def client_queue_share(self) -> int:
         """Waiting requests one client may have (max_waiting_per_client, default half the queue)."""

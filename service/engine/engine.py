@@ -77,8 +77,9 @@ class Engine:
         self.model = checkpoint.build_model(self.device, config.torch_dtype)
         self.num_params = self.model.num_params(non_embedding=False)
         cpu_threads = config.cpu_threads or default_cpu_threads()
-        self.backend, self.backend_reason = factory.choose_backend(self.model, config, self.window,
-                                                                   cpu_threads)
+        self.backend, self.backend_reason = factory.choose_backend(
+            self.model, config, self.window, cpu_threads, usable_vocab=self.tokenizer.vocab_size
+        )
         log.info("engine: backend %s, kernels %s (%s)", self.backend.name, self.backend.kernels(),
                  self.backend_reason)
         self.grammars = Grammars(self.tokenizer)

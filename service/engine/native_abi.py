@@ -15,7 +15,7 @@ from pathlib import Path
 
 from service.engine.config import NATIVE_ISAS
 
-NS_ABI_VERSION = 3  # the header's version this mirror was written against
+NS_ABI_VERSION = 4  # the header's version this mirror was written against
 
 _p, _i32, _f32, _f64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float, ctypes.c_double
 
@@ -53,7 +53,7 @@ class OpenMP(ctypes.Structure):
 
 class StepArgs(ctypes.Structure):
     _fields_ = [("tok", _p), ("pos", _p), ("slot", _p), ("out", _p), ("logits", _p), ("rows", _i32),
-                ("n_out", _i32), ("threads", _i32)]
+                ("n_out", _i32), ("threads", _i32), ("screen", _p)]
 
 
 class Penalties(ctypes.Structure):
@@ -81,6 +81,7 @@ _FUNCTIONS = {
     "ns_tiles_possible": (_i32, [_p]),
     "ns_tile_linear": (_i32, [_p, _i32]),
     "ns_tiles_only": (_i32, [_p]),
+    "ns_screen_head": (_i32, [_p, _p, _i32]),
     "ns_step": (None, [_p, ctypes.POINTER(StepArgs)]),
     "ns_sample": (_i32, [_p, ctypes.POINTER(SampleArgs)]),
 }

@@ -292,6 +292,7 @@ class NativeStep:
     def __init__(
         self, model: GPT, cache: SpanKVCache, max_threads: int, use_openmp: bool = True, max_rows: int = 0,
         hold_once: bool = False, max_isa: str = "auto", quantize: str = "none", int8_head: bool = True,
+        screen_usable: int = 0,
     ) -> None:
         """`hold_once`: where a tile level runs (a bfloat16 model on a CPU with AVX512-BF16 or AMX),
         keep only the tile copy of the linear layers' weights and free the panels, which only the
@@ -299,7 +300,9 @@ class NativeStep:
         a tile level).
         `max_isa`: the highest kernel level to use ("auto": the best this CPU has).
         `quantize`: "int8" runs the linear layers on int8 copies of their weights (int8_weights.py;
-        the output layer's too unless not `int8_head`), "none" on the model's."""
+        the output layer's too unless not `int8_head`), "none" on the model's.
+        `screen_usable`: screen the output layer (`screen_head`), logits from it on never screened
+        in; 0: do not."""
         if quantize not in QUANTIZE:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
         path = library_path()
@@ -352,6 +355,30 @@ class NativeStep:
         tok, pos, slot, out = (ctypes.addressof(a) for a in self._args)
         self._step = StepArgs(tok=tok, pos=pos, slot=slot, out=out)
         self._step_ptr = ctypes.pointer(self._step)
+        self._screen: Any = (ctypes.c_int32 * self.max_rows)()
+        self.screening = False
+        if screen_usable:
+            self.screen_head(model, screen_usable)
+
+    def screen_head(self, model: GPT, usable: int) -> bool:
+        """Screen the output layer (native/head_screen.inc) where a step's every row wants only its
+        k largest logits (`__call__`'s `screen`): a float32 model (not quantized) on a CPU with
+        AVX512-BF16. Holds a row-major float32 copy of the output layer's weights (its exact
+        recomputation reads one output's weights as one row) and the library a bf16 one. Logits
+        from `usable` on are never screened in. Call before the model's weights are released.
+        Returns whether it is on."""
+        if self.screening:
+            return True
+        weight = model.lm_head.weight
+        quantized = self._tensors.get("head.scale") is not None
+        if weight.dtype != torch.float32 or quantized or not 0 < usable <= self.vocab:
+            return False
+        rowmajor = weight.detach().to(memory_format=torch.contiguous_format, copy=True)
+        if not self._lib.ns_screen_head(self._handle, rowmajor.data_ptr(), usable):
+            return False
+        self._tensors["screen.rowmajor"] = rowmajor
+        self.screening = True
+        return True
 
     def _create(self, config: Config, n_layer: int, use_openmp: bool) -> int:
         """The library's model over self._tensors (its handle)."""
@@ -394,12 +421,15 @@ class NativeStep:
         return self.isa
 
     def __call__(
-        self, tokens: list[int], positions: list[int], slots: list[int], logit_rows: list[int] | None = None
+        self, tokens: list[int], positions: list[int], slots: list[int], logit_rows: list[int] | None = None,
+        screen: list[int] | None = None,
     ) -> torch.Tensor:
         """Row i feeds tokens[i] at positions[i] into cache slot slots[i] (writing its key and
         value there) and attends over that slot's positions 0..positions[i]: decode rows, or the
         tokens of prompt chunks (a sequence's rows in position order, all in one call). Returns
-        the logits (len(logit_rows), V) of rows `logit_rows` (default: every row)."""
+        the logits (len(logit_rows), V) of rows `logit_rows` (default: every row). `screen`: per
+        logit row, k if only its k largest logits will be read (then, with `screen_head` on and
+        every row's k at most 256, only those are exact: see native/head_screen.inc), 0 if all."""
         rows = len(tokens)
         if not 0 < rows <= self.max_rows or len(positions) != rows or len(slots) != rows:
             raise ValueError(
@@ -419,6 +449,10 @@ class NativeStep:
         step = self._step  # points at self._args already: only the counts and the logits change
         step.rows, step.n_out, step.logits = rows, len(out), logits.data_ptr()
         step.threads = max(1, min(torch.get_num_threads(), self.max_threads))
+        step.screen = None
+        if self.screening and screen is not None and len(screen) == len(out) and all(screen):
+            self._screen[: len(out)] = screen
+            step.screen = ctypes.addressof(self._screen)
         self._lib.ns_step(self._handle, self._step_ptr)
         return logits
 

@@ -34,9 +34,12 @@ def check_backend(config: EngineConfig) -> None:
         raise ValueError(f"quantize {config.quantize} needs the native backend, which cannot run here: {why}")
 
 
-def choose_backend(model: GPT, config: EngineConfig, window: int, cpu_threads: int) -> tuple[Backend, str]:
+def choose_backend(model: GPT, config: EngineConfig, window: int, cpu_threads: int,
+                   usable_vocab: int = 0) -> tuple[Backend, str]:
     """The backend for `model` (already on its device and dtype), with a KV cache of
-    config.max_seqs slots x `window` tokens, and a sentence saying why it was chosen."""
+    config.max_seqs slots x `window` tokens, and a sentence saying why it was chosen.
+    `usable_vocab`: the ids the tokenizer can decode (the native backend screens its output layer
+    over them, config.screen_head; 0: the model's whole vocabulary)."""
     check_backend(config)
     cfg = model.config
     # The cache holds the key/value heads (fewer than the query heads under grouped-query attention).
@@ -54,8 +57,10 @@ def choose_backend(model: GPT, config: EngineConfig, window: int, cpu_threads: i
     elif why_not_native is None:
         # Its capacity: the largest step the engine runs.
         rows = max(config.max_seqs, config.prefill_budget, config.idle_prefill_budget)
+        usable = usable_vocab or cfg.vocab_size
         backend: Backend = NativeBackend(model, cache, max_rows=rows, cpu_threads=cpu_threads,
-                                         isa=config.native_isa, quantize=config.quantize)
+                                         isa=config.native_isa, quantize=config.quantize,
+                                         screen_usable=usable if config.screen_head else 0)
         why = "asked for" if config.backend == "native" else "CPU, library built, float32/bfloat16 model"
         return backend, why
     else:

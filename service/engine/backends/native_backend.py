@@ -26,13 +26,16 @@ class NativeBackend(Backend):
 
     def __init__(
         self, model: GPT, cache: SpanKVCache, max_rows: int, cpu_threads: int, isa: str,
-        quantize: str = "none",
+        quantize: str = "none", screen_usable: int = 0,
     ) -> None:
+        """`screen_usable`: the tokenizer's vocabulary, to screen a float32 model's output layer
+        (native/head_screen.inc) over it where this CPU can; 0: never screen."""
         self.cache = cache
         self.quantize = quantize
         self.device = torch.device("cpu")
         self.step = NativeStep(model, cache, max_threads=cpu_threads, max_rows=max_rows, hold_once=True,
-                               max_isa=isa, quantize=quantize)
+                               max_isa=isa, quantize=quantize, screen_usable=screen_usable)
+        self.usable = screen_usable
         self.max_rows = self.step.max_rows
         # The step holds its own copies of the weights; the model's would only hold them twice.
         # Nothing may run the model's forward after this (its weights become meta tensors).
@@ -42,7 +45,7 @@ class NativeBackend(Backend):
         return self.step.isa
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "quantize": self.quantize}
+        return {**super().describe(), "quantize": self.quantize, "screened_head": self.step.screening}
 
     def forward(self, items: Sequence[WorkItem]) -> torch.Tensor:
         t = len(items[0].tokens)
@@ -50,7 +53,13 @@ class NativeBackend(Backend):
         tokens = [tok for it in items for tok in it.tokens]
         positions = [p for it in items for p in range(it.start, it.start + t)]
         rows = [it.req.slot for it in items for _ in range(t)]
-        return self.step(tokens, positions, rows, logit_rows(items))
+        out = logit_rows(items)
+        screen: list[int] | None = None
+        if self.step.screening:  # a k per logit row (an item scoring its prompt has t, never screened)
+            screen = []
+            for it in items:
+                screen += [0] * t if it.scores else [screen_width(it, self.usable)]
+        return self.step(tokens, positions, rows, out, screen)
 
     def draw(self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor,
              penalties: PenaltyState) -> torch.Tensor:
@@ -77,3 +86,19 @@ class NativeBackend(Backend):
         if penal:
             penalties.record([reqs[j] for j in penal], tokens[penal])
         return tokens
+
+
+def screen_width(item: WorkItem, usable: int) -> int:
+    """The k of the only logits the item's next token is read from (native/head_screen.inc): 1 for
+    a greedy pick, top_k for a top-k draw; 0 when the whole row is read: logprobs, logit_bias, a
+    grammar, penalties, a draw without top_k, or a chunk that samples nothing (any k: its logits
+    are dropped, so 1)."""
+    if not item.completes:
+        return 1
+    req = item.req
+    p = req.params
+    if p.logprobs or p.top_n_tokens or p.logit_bias or req.constraint is not None or uses_penalties(req):
+        return 0
+    if p.temperature == 0:
+        return 1
+    return p.top_k if p.top_k and p.top_k < usable else 0

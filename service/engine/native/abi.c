@@ -60,7 +60,7 @@ static const Layout LAYOUTS[] = {
     SIZE(ns_step_args),
     FIELD(ns_step_args, tok), FIELD(ns_step_args, pos), FIELD(ns_step_args, slot), FIELD(ns_step_args, out),
     FIELD(ns_step_args, logits), FIELD(ns_step_args, rows), FIELD(ns_step_args, n_out),
-    FIELD(ns_step_args, threads),
+    FIELD(ns_step_args, threads), FIELD(ns_step_args, screen),
     SIZE(ns_penalties),
     FIELD(ns_penalties, seen), FIELD(ns_penalties, counts), FIELD(ns_penalties, slot),
     FIELD(ns_penalties, repetition), FIELD(ns_penalties, frequency), FIELD(ns_penalties, presence),

@@ -118,6 +118,18 @@ typedef struct ns_model {
     int *next; /* per phase and thread's part of a step, chunks claimed so far (see claim) */
     unsigned char *seen; /* per slot, zero between steps (see own_slots) */
     char *smp;           /* sampler.inc's scratch, per thread, grown to the widest rows asked for */
+    /* The screened output layer (head_screen.inc; ns_screen_head), a float32 model's: on or off, the
+     * caller's row-major weights, per output the norm of its weights and an absolute slack, the
+     * error bound's coefficient, the logits that may be screened in, and per thread a heap, the
+     * candidates and the bf16 rows. */
+    int screen;
+    const float *srow;
+    float *snorm, *sslack;
+    double scoef;
+    int susable;
+    float *sheap;
+    int *scand;
+    uint16_t *sxb;
     size_t smp_bytes;
     parallel_fn parallel;
     barrier_fn barrier;
@@ -134,6 +146,7 @@ typedef struct {
     const int64_t *out; /* the rows whose logits are wanted, n_out of them */
     int n_out;
     float *logits; /* (n_out, vocab) */
+    const int32_t *screen; /* each logit row's k, where the output layer is screened; else NULL */
 } Job;
 
 /* ---------------------------------------------------------------- bfloat16
@@ -329,6 +342,8 @@ static inline void sync(const Job *job) {
     if (!job->serial) job->m->barrier();
 }
 
+#include "head_screen.inc"
+
 /* One row of the residual stream through the model's norm (LayerNorm or RMSNorm) at its level. */
 typedef void (*norm_fn)(const float *x, float *out, int c, Norm n, float eps);
 
@@ -480,6 +495,11 @@ static void step_thread(void *arg) {
         sync(job);
     }
     const float *h = normalise(job, m->lnf, job->out, job->n_out, tid, nt, own);
+#ifdef NS_X86
+    if (job->screen)
+        screened_head(job, phase, h, tid, nt);
+    else
+#endif
     gemv_claimed(job, phase, &m->head, h, shared_of(m, h), job->n_out, job->logits, m->vocab, 0, ACT_NONE, NULL, tid, nt);
 #ifdef NS_X86
     if (m->tiles == ISA_AMX) amx_release(); /* the thread's tile state is not kept between steps */
@@ -531,7 +551,7 @@ static int tiles_ready(Model *m, int level) {
     }
     for (int i = 0; i < n_linears(m); i++) {
         Linear *l = linear_at(m, i);
-        if (!l->tiles && !(l->tiles = amx_tiles(l))) return 0;
+        if (!l->tiles && !(l->tiles = amx_tiles(l, BF16))) return 0;
     }
     return 1;
 }
@@ -554,7 +574,7 @@ int32_t ns_tile_linear(ns_model *model, int32_t i) {
     Model *m = model;
     if (i < 0 || i >= n_linears(m) || m->wt != BF16 || m->xq) return 0;
     Linear *l = linear_at(m, i);
-    if (!l->tiles && l->w) l->tiles = amx_tiles(l);
+    if (!l->tiles && l->w) l->tiles = amx_tiles(l, BF16);
     return l->tiles != NULL;
 #else
     (void)model, (void)i;
@@ -684,12 +704,53 @@ static int own_slots(Model *m, int rows, const int64_t *slot) {
 
 void ns_step(ns_model *m, const ns_step_args *a) {
     Job job = {m, a->rows, !m->parallel || a->threads <= 1, a->tok, a->pos, a->slot, own_slots(m, a->rows, a->slot),
-               a->out, a->n_out, a->logits};
+               a->out, a->n_out, a->logits, NULL};
+    /* Screened only where every row wants its k largest logits alone, and the float32 kernels of
+     * the AVX-512 level (whose sums head_screen.inc reproduces) are the ones in use. */
+    int screen = m->screen && m->avx512 && a->screen;
+    for (int r = 0; screen && r < a->n_out; r++) screen = a->screen[r] > 0 && a->screen[r] <= SAMPLE_HEAP_MAX;
+    if (screen) job.screen = a->screen;
     attention_blocks(m, &job);
     if (job.serial)
         step_thread(&job);
     else
         m->parallel(step_thread, &job, (unsigned)a->threads, 0);
+}
+
+int32_t ns_screen_head(ns_model *model, const float *rowmajor, int32_t usable) {
+#ifdef NS_X86
+    Model *m = model;
+    const int c = m->n_embd, v = m->vocab;
+    if (m->screen) return 1;
+    if (m->wt != F32 || m->head.i8sum || !m->head.w || !rowmajor || usable < 1 || usable > v ||
+        (int64_t)v * c >= INT32_MAX || !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bf16"))
+        return 0;
+    m->snorm = malloc(((size_t)v + 16) * sizeof(float));
+    m->sslack = malloc(((size_t)v + 16) * sizeof(float));
+    m->sheap = malloc((size_t)m->max_threads * SAMPLE_HEAP_MAX * sizeof(float));
+    m->scand = malloc((size_t)m->max_threads * SCREEN_CAP * sizeof(int));
+    m->sxb = calloc((size_t)m->max_threads * screen_xb_each(m), sizeof(uint16_t));
+    if (!m->head.tiles) m->head.tiles = amx_tiles(&m->head, F32);
+    if (!m->snorm || !m->sslack || !m->sheap || !m->scand || !m->sxb || !m->head.tiles) {
+        free(m->snorm), free(m->sslack), free(m->sheap), free(m->scand), free(m->sxb), free(m->head.tiles);
+        m->snorm = m->sslack = m->sheap = NULL, m->scand = NULL, m->sxb = NULL, m->head.tiles = NULL;
+        return 0;
+    }
+    for (int j = 0; j < v; j++) {
+        double sq = 0;
+        for (int i = 0; i < c; i++) sq += (double)rowmajor[(size_t)j * c + i] * rowmajor[(size_t)j * c + i];
+        m->snorm[j] = nextafterf((float)sqrt(sq), INFINITY); /* rounded up */
+        /* The bias added after either sum rounds both, and underflow flushed in the bf16 products. */
+        m->sslack[j] = (m->head.b ? 0x1p-22f * fabsf(m->head.b[j]) : 0.0f) + 1e-30f;
+    }
+    const double u = 0x1p-8, gamma = 1.01 * c * 0x1p-24;
+    m->scoef = 1.01 * (2 * u + u * u + 2.02 * gamma);
+    m->srow = rowmajor, m->susable = usable, m->screen = 1;
+    return 1;
+#else
+    (void)model, (void)rowmajor, (void)usable;
+    return 0;
+#endif
 }
 
 /* Rows are dealt out to the threads in turn. */
@@ -728,5 +789,6 @@ void ns_free(ns_model *m) {
     free(m->layers), free(m->x), free(m->qkv), free(m->y), free(m->f), free(m->g), free(m->h), free(m->hn), free(m->att);
     free(m->block), free(m->next), free(m->rope_cos), free(m->rope_sin);
     free(m->seen), free(m->smp);
+    free(m->snorm), free(m->sslack), free(m->sheap), free(m->scand), free(m->sxb);
     free(m);
 }

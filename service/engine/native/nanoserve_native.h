@@ -24,7 +24,7 @@ extern "C" {
 
 #define NS_API __attribute__((visibility("default")))
 
-#define NS_ABI_VERSION 3
+#define NS_ABI_VERSION 4
 
 /* Linear weights come packed in panels of NS_PANEL output features: panel p holds W[p * NS_PANEL + j][k]
  * at [p][k][j] (float32), or, in bfloat16, features j and j + NS_PANEL / 2 of input k side by side,
@@ -139,6 +139,16 @@ NS_API int32_t ns_tile_linear(ns_model *model, int32_t i);
  * only the tile levels run afterwards. Returns 1 if done. */
 NS_API int32_t ns_tiles_only(ns_model *model);
 
+/* A float32 model's output layer, screened: a step whose every logit row only needs its k largest
+ * logits (ns_step_args.screen) computes the output layer in bfloat16 (AVX512-BF16, twice a float32
+ * FMA's multiply-adds), bounds each logit's error from that rounding, and recomputes in float32 every
+ * logit that could be among the row's k largest, in the same order as the float32 kernels, so
+ * those logits are bit for bit the unscreened ones and every other logit is below the k-th largest
+ * (its bf16 value stays there). `rowmajor`: the output layer's (vocab, n_embd) float32 weights,
+ * which the caller keeps alive; logits from `usable` on are never screened in (the caller masks
+ * them). Returns 1 if on: a float32 model on a CPU with AVX512-BF16; 0 otherwise. */
+NS_API int32_t ns_screen_head(ns_model *model, const float *rowmajor, int32_t usable);
+
 /* ---------------------------------------------------------------- a forward */
 
 typedef struct {
@@ -148,6 +158,10 @@ typedef struct {
     int32_t rows;       /* 1..max_rows */
     int32_t n_out;
     int32_t threads;    /* 1..max_threads */
+    /* (n_out,) or NULL: per logit row, the k of the only logits the caller will read exactly (its
+     * k largest: 1 for a greedy pick, top_k for a top-k draw), or 0 for the whole row. Where every
+     * row has a k and ns_screen_head is on, the rows are screened (see there). */
+    const int32_t *screen;
 } ns_step_args;
 
 /* One forward over args->rows token rows: decode rows, or the tokens of prompt chunks (a
