@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 
+from bench.gpu import wheels
 from bench.gpu.check import main, make_plan
 from bench.gpu.report import render
 from bench.gpu.targets import judge
-from bench.gpu.wheels import problems
+from bench.gpu.wheels import problems, subset_imports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,6 +69,20 @@ def test_the_gpu_filter_selects_the_cuda_tests_and_min_tests_of_them() -> None:
 
 def test_the_carried_wheels_and_the_image_meet_every_requirement() -> None:
     assert problems() == []
+
+
+def test_what_the_gpu_test_subset_imports_is_a_requirement_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The subset's own imports as pytest collects it: a module-level import the image lacks stops
+    # the whole collection, so each must be carried; a fixture's lazy import (openai) is not.
+    imports = subset_imports(make_plan(dry_run=False).test_paths)
+    assert imports["jsonschema"] == "tests/service/engine/test_grammar.py"
+    assert {"torch", "pytest", "numpy"} <= imports.keys()
+    assert "openai" not in imports and not set(wheels.LOCAL) & imports.keys()
+    without = {k: v for k, v in wheels.carried().items() if k != "jsonschema"}
+    monkeypatch.setattr(wheels, "carried", lambda: without)
+    monkeypatch.setattr(wheels, "subset_imports", lambda paths: {**imports, "no_such_module_x": "u.py"})
+    assert problems() == ["u.py imports no_such_module_x, which no installed distribution provides",
+                          "jsonschema: neither in the image nor in wheels.txt"]
 
 
 def _peer(batches: dict[int, tuple[float, float]]) -> dict[str, Any]:

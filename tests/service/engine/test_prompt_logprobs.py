@@ -158,10 +158,11 @@ async def test_scoring_and_plain_prompt_chunks_share_one_forward(
     prompt = prompt_of(lively.tokenizer, scored.prompt_ids, scored.prompt_scores)
     check_scores(prompt, scored.prompt_ids, want, top_n=2)
     assert len(plain.prompt_scores) == 0
-    # Each item's sampling row is its last position's logits, whichever forward computed it.
-    torch.testing.assert_close(forward.logits[0].log_softmax(-1), want[-1], rtol=0, atol=1e-4)
-    torch.testing.assert_close(forward.logits[1].log_softmax(-1), reference(lively, plain.prompt_ids)[-1],
-                               rtol=0, atol=1e-4)
+    # Each item's sampling row is its last position's logits, whichever forward computed it (on
+    # the backend's device; the reference is the CPU's).
+    got = forward.logits.log_softmax(-1).cpu()
+    torch.testing.assert_close(got[0], want[-1], rtol=0, atol=1e-4)
+    torch.testing.assert_close(got[1], reference(lively, plain.prompt_ids)[-1], rtol=0, atol=1e-4)
 
 
 def test_a_request_preempted_mid_prompt_is_scored_again_from_its_start(lively: Checkpoint) -> None:
