@@ -48,14 +48,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str, dtype: str, spread: int,
-               interval: int = 1, device: str = "cpu") -> dict[str, Any]:
+               interval: int = 1, device: str = "cpu", gil_switch_interval: float = 0.0) -> dict[str, Any]:
     from model.checkpoint import load_checkpoint
     from service.engine.config import EngineConfig
     from service.engine.engine import Engine
     from service.engine.types import SamplingParams
 
     engine = Engine(load_checkpoint(checkpoint), EngineConfig(max_seqs=conc, max_queue=requests,
-                                                                  dtype=dtype, device=device))
+                                                                  dtype=dtype, device=device,
+                                                                  gil_switch_interval=gil_switch_interval))
     engine.start()
     ttfts: list[float] = []
     tokens = 0
@@ -97,14 +98,14 @@ def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str
 
 
 def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str, dtype: str, spread: int,
-              interval: int = 1, device: str = "cpu") -> dict[str, Any]:
+              interval: int = 1, device: str = "cpu", gil_switch_interval: float = 0.0) -> dict[str, Any]:
     import httpx
 
     from tests.service.server import running_server
 
     env = {"NANOSERVE_MAX_SEQS": str(conc), "NANOSERVE_MAX_QUEUE": str(requests),
            "NANOSERVE_LOG_LEVEL": "warning", "NANOSERVE_STREAM_INTERVAL": str(interval),
-           "NANOSERVE_DTYPE": dtype}
+           "NANOSERVE_DTYPE": dtype, "NANOSERVE_GIL_SWITCH_INTERVAL": str(gil_switch_interval)}
     with running_server(checkpoint, env=env, args=("--device", device)) as server:
         def load(n: int) -> Any:
             config = LoadConfig(url=server.base_url, concurrency=conc, requests=n, max_new_tokens=new,

@@ -69,6 +69,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         native_isa=settings.native_isa,
         quantize=settings.quantize,
         screen_head=settings.screen_head,
+        gil_switch_interval=settings.gil_switch_interval,
         max_seqs=settings.max_seqs,
         max_queue=settings.max_queue,
         max_waiting_per_client=settings.max_waiting_per_client,

@@ -63,6 +63,12 @@ class Settings(BaseSettings):
         "logits that could be a greedy or top-k row's k largest again in float32 (CPUs with AVX512-BF16): "
         "the same tokens, bit for bit; holds two more copies of the output layer.",
     )
+    gil_switch_interval: float = Field(
+        default=0.0,
+        ge=0,
+        description="Python's GIL switch interval in seconds: 0 picks it by device (0.5 ms on a GPU, where "
+        "the event loop waits for the GIL the decode step holds; Python's 5 ms on CPU).",
+    )
     host: str = Field(default="127.0.0.1", min_length=1, description="Address to listen on.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")
 

@@ -28,8 +28,9 @@ def measure(ckpt: Path, prompt: str, streams: int, args: argparse.Namespace) -> 
     load = (ckpt, streams, requests, args.max_new_tokens, prompt, args.dtype, 0)
     ways: dict[str, list[dict[str, Any]]] = {"in_process": [], "http": []}
     for _ in range(args.repeats):
-        ways["in_process"].append(in_process(*load, device=args.device))
-        ways["http"].append(over_http(*load, device=args.device))
+        gil = args.gil_switch_interval
+        ways["in_process"].append(in_process(*load, device=args.device, gil_switch_interval=gil))
+        ways["http"].append(over_http(*load, device=args.device, gil_switch_interval=gil))
     best = {way: max(runs, key=lambda r: r["tokens_per_s"]) for way, runs in ways.items()}
     ratio = best["http"]["tokens_per_s"] / best["in_process"]["tokens_per_s"]
     print(f"{streams} streams: in-process {best['in_process']['tokens_per_s']:.1f} tok/s, "
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests-per-stream", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1, help="runs each way, in turns, best kept")
+    ap.add_argument("--gil-switch-interval", type=float, default=0.0,
+                    help="both ways' GIL switch interval in seconds (0: the engine's choice by device; "
+                         "0.005: Python's own)")
     ap.add_argument("--json", required=True, help="where to write the result")
     return ap
 

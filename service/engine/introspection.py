@@ -8,6 +8,7 @@ GET /info payload). Both take the engine's parts and change nothing.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from model.checkpoint import Checkpoint
@@ -76,6 +77,7 @@ def engine_info(
         "deterministic": config.deterministic,
         "prefix_cache": scheduler.prefix.enabled,  # off when deterministic on torch
         "cpu_threads": runner.cpu_threads,
+        "gil_switch_interval_s": sys.getswitchinterval(),  # process-wide; see gil.py
         # Forward size (tokens, rounded up to a power of two) -> threads the tuner chose.
         "cpu_threads_by_forward_size": {str(k): v for k, v in runner.threads.choices().items()},
         # Which backend computes, with which kernels, and why it was chosen (backends/).
