@@ -54,9 +54,10 @@ def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str
     from service.engine.engine import Engine
     from service.engine.types import SamplingParams
 
+    if gil_switch_interval > 0:  # an embedding application's choice; the server's own is by device
+        sys.setswitchinterval(gil_switch_interval)
     engine = Engine(load_checkpoint(checkpoint), EngineConfig(max_seqs=conc, max_queue=requests,
-                                                                  dtype=dtype, device=device,
-                                                                  gil_switch_interval=gil_switch_interval))
+                                                                  dtype=dtype, device=device))
     engine.start()
     ttfts: list[float] = []
     tokens = 0

@@ -48,6 +48,7 @@ from service.engine.engine import Engine
 from service.engine.threads import single_threaded_executor
 from service.error_dialects import ErrorDialects
 from service.errors import install_error_handlers
+from service.gil import apply_switch_interval
 from service.head import HeadAsGet
 from service.heap import freeze_startup_heap, return_free_memory
 from service.metrics import Metrics
@@ -69,7 +70,6 @@ def engine_config(settings: Settings) -> EngineConfig:
         native_isa=settings.native_isa,
         quantize=settings.quantize,
         screen_head=settings.screen_head,
-        gil_switch_interval=settings.gil_switch_interval,
         max_seqs=settings.max_seqs,
         max_queue=settings.max_queue,
         max_waiting_per_client=settings.max_waiting_per_client,
@@ -134,6 +134,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     del checkpoint
     return_free_memory()  # the weights the engine released (service/heap.py)
     metrics.bind_engine(engine)
+    # The server's own process: an application embedding the Engine keeps its interpreter's setting.
+    apply_switch_interval(settings.gil_switch_interval, config.resolved_device())
     engine.start()
     frozen = False
     try:

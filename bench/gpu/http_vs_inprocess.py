@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1, help="runs each way, in turns, best kept")
     ap.add_argument("--gil-switch-interval", type=float, default=0.0,
-                    help="both ways' GIL switch interval in seconds (0: the engine's choice by device; "
-                         "0.005: Python's own)")
+                    help="the GIL switch interval in seconds, both ways (0: the server's choice by device, "
+                         "and Python's own in-process; 0.005: Python's own)")
     ap.add_argument("--json", required=True, help="where to write the result")
     return ap
 

@@ -100,9 +100,6 @@ class EngineConfig:
     # same tokens and the same k largest logits, bit for bit (native/head_screen.inc). Costs a
     # row-major float32 and a bf16 copy of the output layer's weights.
     screen_head: bool = True
-    # The GIL switch interval in seconds (gil.py): 0 picks it by device, 0.5 ms on a GPU (the loop
-    # that streams tokens waits for the GIL the torch decode step holds) and Python's 5 ms on CPU.
-    gil_switch_interval: float = 0.0
 
     def client_queue_share(self) -> int:
         """Waiting requests one client may have (max_waiting_per_client, default half the queue)."""
@@ -112,10 +109,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_device(self.device)
-        if not self.gil_switch_interval >= 0:
-            raise ValueError(
-                f"gil_switch_interval must be 0 (by device) or positive, got {self.gil_switch_interval!r}"
-            )
         if self.native_isa not in _ISAS:
             raise ValueError(f"native_isa must be one of {', '.join(_ISAS)}, got {self.native_isa!r}")
         if self.dtype not in _DTYPES:

@@ -24,7 +24,6 @@ from service.engine.backends import factory
 from service.engine.backends.factory import native_unavailable
 from service.engine.config import EngineConfig
 from service.engine.dtype_probe import SLOW_FACTOR, cpu_matmul_slowdown
-from service.engine.gil import apply_switch_interval
 from service.engine.grammar import Constraint, Grammars
 from service.engine.ids import new_id, new_seed
 from service.engine.inbox import Inbox
@@ -114,7 +113,6 @@ class Engine:
     def start(self) -> None:
         if self._thread is not None:
             return
-        apply_switch_interval(self.config.gil_switch_interval, self.device)
         self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
         self._thread.start()
 
