@@ -707,7 +707,7 @@ void ns_step(ns_model *m, const ns_step_args *a) {
                a->out, a->n_out, a->logits, NULL};
     /* Screened only where every row wants its k largest logits alone, and the float32 kernels of
      * the AVX-512 level (whose sums head_screen.inc reproduces) are the ones in use. */
-    int screen = m->screen && m->avx512 && a->screen;
+    int screen = m->screen && m->avx512 && a->screen && a->n_out <= m->slots; /* see screen_xb_each */
     for (int r = 0; screen && r < a->n_out; r++) screen = a->screen[r] > 0 && a->screen[r] <= SAMPLE_HEAP_MAX;
     if (screen) job.screen = a->screen;
     attention_blocks(m, &job);

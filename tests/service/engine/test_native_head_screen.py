@@ -200,3 +200,16 @@ def test_a_logit_that_bf16_ranks_second_is_still_found() -> None:
     got = screened(tokens, positions, slots, screen=[1] * SLOTS)
     assert want.argmax(dim=1).tolist() == [3] * SLOTS
     _check_top(want, got, 1, 64)
+
+
+@torch.no_grad()
+def test_more_logit_rows_than_slots_are_computed_whole() -> None:
+    """A screened step's logit rows are one per sequence; a call asking for more (every row of two
+    prompt chunks) than the cache has slots is computed whole."""
+    model = _model(1000, 64, 1.0)
+    plain, screened = _steps(model)
+    tokens = _rows(1000, n=8)[0]
+    positions, slots = [0, 1, 2, 3] * 2, [0] * 4 + [1] * 4
+    want = plain(tokens, positions, slots)
+    got = screened(tokens, positions, slots, screen=[40] * 8)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
