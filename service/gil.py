@@ -8,9 +8,9 @@ the GIL nearly all the time, and a waiting thread gets it only when the holder i
 after the switch interval (Python's default 5 ms). Every token the loop writes then waited up to
 that long: on an NVIDIA H200 one stream through HTTP took 8.76 ms a token against 3.94 ms
 in-process, at 124M bf16. A shorter interval hands the GIL over sooner, at the cost of more
-hand-offs for the thread that had it (docs/performance.md: HTTP tokens/s up at 1 and 64 streams,
-an in-process engine beside a busy loop of its own down); where the loop rarely waits (CPU),
-Python's default stays.
+hand-offs for the thread that had it (docs/performance.md: one stream through HTTP 1.2-1.4x on an
+H200, 64 streams no difference shown; an in-process engine beside a busy loop of its own slower);
+where the loop rarely waits (CPU), Python's default stays.
 """
 
 from __future__ import annotations
