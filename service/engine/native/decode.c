@@ -120,14 +120,14 @@ typedef struct ns_model {
     char *smp;           /* sampler.inc's scratch, per thread, grown to the widest rows asked for */
     /* The screened output layer (head_screen.inc; ns_screen_head), a float32 model's: on or off, the
      * caller's row-major weights, per output the norm of its weights and an absolute slack, the
-     * error bound's coefficient, the logits that may be screened in, and per thread a heap, the
-     * candidates and the bf16 rows. */
+     * error bound's coefficient, the logits that may be screened in, and per thread a row of lower
+     * bounds, a heap, the candidates and the bf16 rows. */
     int screen;
     const float *srow;
     float *snorm, *sslack;
     double scoef;
     int susable;
-    float *sheap;
+    float *slow, *sheap;
     int *scand;
     uint16_t *sxb;
     size_t smp_bytes;
@@ -727,13 +727,15 @@ int32_t ns_screen_head(ns_model *model, const float *rowmajor, int32_t usable) {
         return 0;
     m->snorm = malloc(((size_t)v + 16) * sizeof(float));
     m->sslack = malloc(((size_t)v + 16) * sizeof(float));
+    m->slow = malloc((size_t)m->max_threads * ((size_t)v + 16) * sizeof(float));
     m->sheap = malloc((size_t)m->max_threads * SAMPLE_HEAP_MAX * sizeof(float));
     m->scand = malloc((size_t)m->max_threads * SCREEN_CAP * sizeof(int));
     m->sxb = calloc((size_t)m->max_threads * screen_xb_each(m), sizeof(uint16_t));
     if (!m->head.tiles) m->head.tiles = amx_tiles(&m->head, F32);
-    if (!m->snorm || !m->sslack || !m->sheap || !m->scand || !m->sxb || !m->head.tiles) {
-        free(m->snorm), free(m->sslack), free(m->sheap), free(m->scand), free(m->sxb), free(m->head.tiles);
-        m->snorm = m->sslack = m->sheap = NULL, m->scand = NULL, m->sxb = NULL, m->head.tiles = NULL;
+    if (!m->snorm || !m->sslack || !m->slow || !m->sheap || !m->scand || !m->sxb || !m->head.tiles) {
+        free(m->snorm), free(m->sslack), free(m->slow), free(m->sheap), free(m->scand), free(m->sxb);
+        free(m->head.tiles);
+        m->snorm = m->sslack = m->slow = m->sheap = NULL, m->scand = NULL, m->sxb = NULL, m->head.tiles = NULL;
         return 0;
     }
     for (int j = 0; j < v; j++) {
@@ -789,6 +791,6 @@ void ns_free(ns_model *m) {
     free(m->layers), free(m->x), free(m->qkv), free(m->y), free(m->f), free(m->g), free(m->h), free(m->hn), free(m->att);
     free(m->block), free(m->next), free(m->rope_cos), free(m->rope_sin);
     free(m->seen), free(m->smp);
-    free(m->snorm), free(m->sslack), free(m->sheap), free(m->scand), free(m->sxb);
+    free(m->snorm), free(m->sslack), free(m->slow), free(m->sheap), free(m->scand), free(m->sxb);
     free(m);
 }
