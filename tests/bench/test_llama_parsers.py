@@ -152,3 +152,49 @@ def test_the_vocabulary_for_gguf_is_padded_and_has_no_repeated_piece(tmp_path: P
     v = json.loads(write_vocab(ckpt, tmp_path).read_text())
     assert v["pieces"] == ["a", "b", "<dup2>", "<eos>", "<pad0>", "<pad1>"]
     assert (v["special"], v["eos"]) == ([3], 3)
+
+
+def _fake_batched_bench(tmp_path: Path, outputs: list[tuple[int, str]]) -> Path:
+    """An executable standing in for llama-batched-bench: its n-th run prints outputs[n]'s text and
+    exits with its status (a counter file between runs)."""
+    for i, (_, text) in enumerate(outputs):
+        (tmp_path / f"out{i}").write_text(text)
+    statuses = " ".join(str(status) for status, _ in outputs)
+    script = tmp_path / "llama-batched-bench"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'n=$(cat "{tmp_path}/count" 2>/dev/null || echo 0)\n'
+        f'echo $((n + 1)) > "{tmp_path}/count"\n'
+        f'cat "{tmp_path}/out$n"\n'
+        f"set -- {statuses}\n"
+        'shift "$n"\n'
+        'exit "$1"\n'
+    )
+    script.chmod(0o755)
+    return script
+
+
+def test_batched_bench_runs_again_when_its_result_line_was_lost(tmp_path: Path) -> None:
+    # llama.cpp's asynchronous logger can drop the result line at exit with status 0.
+    from bench.llama_batched import bench_batched
+
+    binary = _fake_batched_bench(tmp_path, [(0, LOG), (0, LOG), (0, JSONL)])
+    run = bench_batched(binary, tmp_path / "model.gguf", 32, 16, 16, 2)
+    assert (tmp_path / "count").read_text().strip() == "3"
+    assert (run.concurrency, run.tokens, run.seconds) == (32, 32 * 16, 2.3)
+
+
+def test_batched_bench_gives_up_after_its_attempts_and_at_once_on_a_failing_status(tmp_path: Path) -> None:
+    from bench.llama_batched import bench_batched
+
+    (tmp_path / "lost").mkdir()
+    lost = _fake_batched_bench(tmp_path / "lost", [(0, LOG)] * 4)
+    with pytest.raises(RuntimeError, match=r"no result \(0, 3 runs at most\)"):
+        bench_batched(lost, tmp_path / "model.gguf", 8, 16, 16, 2)
+    assert (tmp_path / "lost" / "count").read_text().strip() == "3"
+
+    (tmp_path / "crash").mkdir()
+    crash = _fake_batched_bench(tmp_path / "crash", [(134, LOG + "GGML_ASSERT failed\n"), (0, JSONL)])
+    with pytest.raises(RuntimeError, match="GGML_ASSERT failed"):
+        bench_batched(crash, tmp_path / "model.gguf", 8, 16, 16, 2)
+    assert (tmp_path / "crash" / "count").read_text().strip() == "1"
