@@ -248,14 +248,17 @@ static int claim(const Job *job, Claims *c) {
     return -1;
 }
 
-/* Items per claim: about eight claims per thread, so a late thread's work is spread finely
- * while a chunk of weights stays one long contiguous stream; 64 for steps of up to 64 rows, whose
- * phases are short: a thread that runs out of work waits at the phase's barrier for about half a
- * chunk of the other's, which at eight claims was some 3% of a 32-row decode step. (124M, A/B in
- * one process: float32 32 rows 1.02x, 8 rows 1.02x, one row 1.06x; bf16 32 rows 1.02x, one row
- * unchanged; an 800-row prefill was 1.02x slower at 64 claims, 1.01x at 32.) */
+/* Items per claim: about CLAIMS claims per thread, so a late thread's work is spread finely
+ * while a chunk of weights stays one long contiguous stream; SMALL_CLAIMS for steps of up to
+ * SMALL_STEP rows, whose phases are short: a thread that runs out of work waits at the phase's
+ * barrier for about half a chunk of the other's, which at eight claims was some 3% of a 32-row
+ * decode step. (124M, A/B in one process: float32 32 rows 1.02x, 8 rows 1.02x, one row 1.06x; bf16
+ * 32 rows 1.02x, one row unchanged; an 800-row prefill was 1.02x slower at 64 claims, 1.01x at 32.) */
+#define CLAIMS 8
+#define SMALL_CLAIMS 64
+#define SMALL_STEP 64
 static int chunk_of(int items, int rows, int nt) {
-    const int chunk = items / ((rows <= 64 ? 64 : 8) * nt);
+    const int chunk = items / ((rows <= SMALL_STEP ? SMALL_CLAIMS : CLAIMS) * nt);
     return chunk > 0 ? chunk : 1;
 }
 
