@@ -52,7 +52,7 @@ RUN pip install --no-cache-dir -r /tmp/requirements.txt
 # ------------------------------------------------ app: the project's own code, outside the venv
 # Installed into its own folder, so a code change rebuilds one small layer of the runtime image.
 FROM deps AS app
-# A C compiler for the native step (service/engine/native/decode.c, built by the install
+# A C compiler for the native step (nanoserve/engine/native/decode.c, built by the install
 # below): in this stage only, so the runtime image gets the built library but not the compiler.
 # hadolint ignore=DL3008  # Debian's current gcc of the release the base was built from; nothing else to pin against
 RUN apt-get update -qq \
@@ -60,12 +60,11 @@ RUN apt-get update -qq \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY model/ model/
-COPY service/ service/
+COPY nanoserve/ nanoserve/
 # setuptools came with torch, so no isolated build environment is downloaded.
 RUN pip install --no-cache-dir --no-deps --no-build-isolation --target /opt/app . \
-    && PYTHONPATH=/opt/app python -c "import model.gpt, service.cli" \
-    && ls /opt/app/service/engine/native/_decode*.so
+    && PYTHONPATH=/opt/app python -c "import nanoserve.model.gpt, nanoserve.cli" \
+    && ls /opt/app/nanoserve/engine/native/_decode*.so
 
 # ------------------------------------------------ assets: the default checkpoint and the health check
 # The checkpoint: config, weights, tokenizer, card (.dockerignore leaves out optimizer state). Made

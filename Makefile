@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 
 # The native step's sources, its header and the fragments decode.c includes: `pip install -e .`
 # compiles them, so a change to them reinstalls.
-NATIVE := service/engine/native
+NATIVE := nanoserve/engine/native
 NATIVE_SOURCES := $(NATIVE)/decode.c $(NATIVE)/abi.c
 $(VENV)/.installed: pyproject.toml $(wildcard $(NATIVE)/*.c $(NATIVE)/*.h $(NATIVE)/*.inc)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -45,9 +45,9 @@ cwarnings:
 # and its tests run on that build. The python that loads it is not instrumented, so the ASan
 # runtime is preloaded; leak checking is off (it would report the interpreter's own allocations).
 SANITIZED := build/sanitize/_decode.so
-NATIVE_TESTS := tests/service/engine/test_native_step.py tests/service/engine/test_native_sampler.py \
-                tests/service/engine/test_native_abi.py tests/service/engine/test_native_int8.py \
-                tests/service/engine/test_native_head_screen.py
+NATIVE_TESTS := tests/engine/test_native_step.py tests/engine/test_native_sampler.py \
+                tests/engine/test_native_abi.py tests/engine/test_native_int8.py \
+                tests/engine/test_native_head_screen.py
 sanitize: install
 	mkdir -p $(dir $(SANITIZED))
 	$(CC) -O3 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all \
@@ -76,7 +76,7 @@ gpu-dry-run: install
 # checkpoints/baby-names, as its model card says (about 20 minutes on 2 cores).
 baby-names: install
 	mkdir -p build
-	$(PY) -m model.training.line_split data/names/names.txt --out build/names-train.txt --seed 0
+	$(PY) -m nanoserve.model.training.line_split data/names/names.txt --out build/names-train.txt --seed 0
 	$(VENV)/bin/nanoserve train build/names-train.txt --out checkpoints/baby-names --name baby-names \
 		--tokenizer char --arch llama --n-layer 4 --n-head 4 --n-kv-head 2 --n-embd 128 --block-size 16 \
 		--dropout 0.1 --batch-size 64 --max-iters 6000 --lr 2e-3 --min-lr 2e-4 --warmup-iters 200 \

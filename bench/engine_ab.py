@@ -36,13 +36,13 @@ REPO = Path(__file__).resolve().parents[1]
 # Runs inside the tree under test (PYTHONPATH puts its code first): prints one JSON line.
 CHILD = r"""
 import asyncio, json, sys, tempfile, time, pathlib, torch
-from model.checkpoint import load_checkpoint, save_checkpoint
-from model.config import GPTConfig
-from model.gpt import GPT
-from model.tokenizer import CharTokenizer
-from service.engine.config import EngineConfig
-from service.engine.engine import Engine
-from service.engine.types import SamplingParams
+from nanoserve.model.checkpoint import load_checkpoint, save_checkpoint
+from nanoserve.model.config import GPTConfig
+from nanoserve.model.gpt import GPT
+from nanoserve.model.tokenizer import CharTokenizer
+from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.types import SamplingParams
 batches, tokens, threads = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 torch.manual_seed(0)
 tok = CharTokenizer.train("".join(chr(c) for c in range(32, 127)))

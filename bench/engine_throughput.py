@@ -37,8 +37,8 @@ from bench.peers import PEERS, PeerProcess
 from bench.record import RESULTS, load_avg, machine, write_results
 from bench.shapes import DTYPES, SHAPES
 from bench.throughput_runs import ShapeResult
-from model.gpt import GPT
-from service.engine.threads import single_threaded_elsewhere
+from nanoserve.engine.threads import single_threaded_elsewhere
+from nanoserve.model.gpt import GPT
 
 
 def run_shape(shape: str, dtype: str, concs: list[int], args: argparse.Namespace) -> ShapeResult:

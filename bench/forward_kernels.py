@@ -1,4 +1,4 @@
-"""The forward alone: the native step (service/engine/native/decode.c) vs torch's kernels.
+"""The forward alone: the native step (nanoserve/engine/native/decode.c) vs torch's kernels.
 
     python -m bench.forward_kernels [--shapes 10.7M,124M] [--rows 1,4,16,64] [--prefill 16,64,256]
 
@@ -29,12 +29,12 @@ import torch
 from bench.record import RESULTS, cpu_label, machine
 from bench.shapes import SHAPES
 from bench.timing import best_median_s
-from model.gpt import GPT
-from service.engine.config import TILE_ISAS
-from service.engine.kv_slots import SpanKVCache
-from service.engine.native_step import NativeStep
-from service.engine.packed_linear import pack_linears
-from service.engine.torch_decode import TorchDecodeStep
+from nanoserve.engine.config import TILE_ISAS
+from nanoserve.engine.kv_slots import SpanKVCache
+from nanoserve.engine.native_step import NativeStep
+from nanoserve.engine.packed_linear import pack_linears
+from nanoserve.engine.torch_decode import TorchDecodeStep
+from nanoserve.model.gpt import GPT
 
 POSITION = 40
 

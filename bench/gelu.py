@@ -1,4 +1,4 @@
-"""GELU (tanh form) on this CPU: F.gelu, the sigmoid form (service/engine/packed_linear.py's
+"""GELU (tanh form) on this CPU: F.gelu, the sigmoid form (nanoserve/engine/packed_linear.py's
 SigmoidGELU) and oneDNN's fused post-op, over the activation sizes a decode step and a prefill
 produce. Picks the sizes where SigmoidGELU uses its sigmoid form; run it on a new kind of CPU.
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.record import RESULTS, cpu_label, load_avg, machine
-from service.engine.packed_linear import SigmoidGELU, sigmoid_gelu
+from nanoserve.engine.packed_linear import SigmoidGELU, sigmoid_gelu
 
 ROWS = [1, 8, 16, 32, 64, 128, 1024]
 WIDTHS = [1536, 3072]  # the MLP widths of the 10.7M and 124M shapes

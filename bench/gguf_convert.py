@@ -1,5 +1,5 @@
 """A benchmark checkpoint as llama.cpp reads it: exported with `nanoserve export-hf`'s code
-(model/hf.py: GPT2LMHeadModel or LlamaForCausalLM) and converted by llama.cpp's own
+(nanoserve/model/hf.py: GPT2LMHeadModel or LlamaForCausalLM) and converted by llama.cpp's own
 `convert_hf_to_gguf.py` (outtype f32, bf16 or q8_0), so llama.cpp's peers run exactly the weights
 nanoserve runs, laid out as llama.cpp lays them out itself.
 
@@ -54,7 +54,7 @@ def export_and_convert(ckpt: Any, out_dir: Path, outtypes: list[str], lc: LlamaC
                        hf_dir: Path | None = None) -> dict[str, Path]:
     """Export `ckpt` to out_dir/hf (or use `hf_dir`, already exported) and convert it once per
     outtype ("float32", "bfloat16", "q8_0"); returns each outtype's GGUF path (reused when there)."""
-    from model.hf import export_hf
+    from nanoserve.model.hf import export_hf
 
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_dir = hf_dir or out_dir / "hf"

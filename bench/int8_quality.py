@@ -10,7 +10,7 @@ through the native step (all its rows' logits), as the engine computes them:
 
 - native float32, bfloat16: the weights as loaded;
 - native int8: linear layers (the output layer's too) int8, per output feature, inputs quantized
-  per row (service/engine/int8_weights.py), the rest in float32 or bfloat16 (`--dtype bfloat16
+  per row (nanoserve/engine/int8_weights.py), the rest in float32 or bfloat16 (`--dtype bfloat16
   --quantize int8` serves the latter); and int8 with the output layer left in bfloat16;
 - torch emulations of the alternatives, on the float32 model: the same per-output-feature int8
   (it must match native int8 float32 to float rounding: the check that the two are one function),
@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.checkpoint import load_checkpoint
-from model.gpt import GPT
-from service.engine.int8_weights import dequantize, linear_reference, quantize_int8, quantize_rows
-from service.engine.kv_slots import SpanKVCache
-from service.engine.native_step import NativeStep
+from nanoserve.engine.int8_weights import dequantize, linear_reference, quantize_int8, quantize_rows
+from nanoserve.engine.kv_slots import SpanKVCache
+from nanoserve.engine.native_step import NativeStep
+from nanoserve.model.checkpoint import load_checkpoint
+from nanoserve.model.gpt import GPT
 
 Forward = Callable[[list[int]], torch.Tensor]  # a window's tokens -> (T, V) logits
 
@@ -149,7 +149,7 @@ def main() -> None:
     for name, loss in losses.items():
         print(f"| {name} | {loss:.5f} | {loss / base:.4f} |")
     # The native int8 step and its torch emulation are one function (the same losses; each layer
-    # alone the same to float32 rounding, tests/service/engine/test_native_int8.py), yet their
+    # alone the same to float32 rounding, tests/engine/test_native_int8.py), yet their
     # logits drift apart with depth: summed in another order, an input now and then lands on the
     # other side of a rounding tie between two int8 steps, everything after it differs a little,
     # and more inputs round the other way. The gaps below put that drift beside int8's own effect.

@@ -18,9 +18,9 @@ import torch
 
 from bench.shapes import SHAPES
 from bench.timing import best_median_s
-from model.gpt import GPT
-from service.engine.kv_slots import SpanKVCache
-from service.engine.native_step import NativeStep
+from nanoserve.engine.kv_slots import SpanKVCache
+from nanoserve.engine.native_step import NativeStep
+from nanoserve.model.gpt import GPT
 
 POSITION = 40
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from bench.record import RESULTS, cpu_label, load_avg, machine, write_results
 from bench.serving import in_process
-from service.engine.threads import single_threaded_elsewhere
+from nanoserve.engine.threads import single_threaded_elsewhere
 
 REPO = Path(__file__).resolve().parents[1]
 PERIOD_S = 0.004

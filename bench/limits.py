@@ -8,8 +8,8 @@ import time
 import torch
 
 from bench.peak import vector_peaks
-from model.config import GPTConfig
-from model.gpt import GPT
+from nanoserve.model.config import GPTConfig
+from nanoserve.model.gpt import GPT
 
 
 def read_bandwidth(nbytes: int, reads: int) -> float:

@@ -53,19 +53,19 @@ def _engine_alone(ckpt_dir: str, dtype: str, prompts: list[list[int]], new: int,
                   context: int) -> dict[str, float]:
     import asyncio
 
-    from service.engine.threads import single_threaded_elsewhere
+    from nanoserve.engine.threads import single_threaded_elsewhere
 
     single_threaded_elsewhere()
     from bench.peer_runs import generate_batch
-    from model.checkpoint import load_checkpoint
-    from service.engine.config import EngineConfig
-    from service.engine.engine import Engine
-    from service.heap import return_free_memory
+    from nanoserve.engine.config import EngineConfig
+    from nanoserve.engine.engine import Engine
+    from nanoserve.model.checkpoint import load_checkpoint
+    from nanoserve.server.runtime.heap import return_free_memory
 
     checkpoint = load_checkpoint(ckpt_dir)
     engine = Engine(checkpoint, EngineConfig(max_seqs=len(prompts), max_queue=len(prompts), dtype=dtype,
                                                max_context=context))
-    del checkpoint  # as service/app.py's lifespan does
+    del checkpoint  # as nanoserve/server/app.py's lifespan does
     return_free_memory()
     engine.start()
 
@@ -127,7 +127,7 @@ def in_fresh_process(fn: str, *args: Any) -> dict[str, float] | str:
 
 def _server(ckpt_dir: Path, dtype: str, prompts: list[list[int]], new: int, context: int,
             tokenizer: Any) -> dict[str, float]:
-    from tests.service.server import running_server
+    from tests.server.server import running_server
 
     env = {"NANOSERVE_MAX_SEQS": str(len(prompts)), "NANOSERVE_DTYPE": dtype,
            "NANOSERVE_LOG_LEVEL": "warning", "NANOSERVE_MAX_CONTEXT": str(context)}
@@ -140,7 +140,7 @@ def _server(ckpt_dir: Path, dtype: str, prompts: list[list[int]], new: int, cont
 def _llama_server(gguf: Path, prompts: list[list[int]], new: int, context: int) -> dict[str, float]:
     from bench.llama_cpp_build import locate
     from bench.llama_server import LlamaServerConfig, running_llama_server
-    from tests.service.server import free_port
+    from tests.server.server import free_port
 
     config = LlamaServerConfig(slots=len(prompts), slot_context=context, threads=2)
     with running_llama_server(locate().server, gguf, config, free_port()) as server:
@@ -191,8 +191,8 @@ def _llama_row(hf_dir: Path, ckpt: Any, prompts: list[list[int]], new: int, cont
 
 def run_shape(shape: str, dtype: str, conc: int, new: int, context: int, work: Path) -> dict[str, Any]:
     from bench.shapes import make_checkpoint, prompts_for
-    from model.checkpoint import save_checkpoint
-    from model.hf import export_hf
+    from nanoserve.model.checkpoint import save_checkpoint
+    from nanoserve.model.hf import export_hf
 
     ckpt = make_checkpoint(shape, dtype)
     weights_mb = sum(t.numel() * t.element_size() for t in ckpt.state_dict.values()) / 2**20

@@ -3,7 +3,7 @@
     python -m bench.native_ab --base 8c7ce8a [--head WORKTREE] [--shape 10.7M] [--dtype bfloat16]
                               [--rows 1,8,32,64,32x16] [--position 40] [--rounds 8] [--steps 40]
 
-Builds service/engine/native/ (decode.c with its fragments, abi.c) at two git revisions (--head
+Builds nanoserve/engine/native/ (decode.c with its fragments, abi.c) at two git revisions (--head
 WORKTREE: the files as they are on disk) with gcc -O3, loads each into its own NativeStep over the
 same random weights and the same KV cache contents, checks that both give the same logits (the
 native step's changes are meant to keep every bit), then times them in turns: each round runs
@@ -33,14 +33,14 @@ import torch
 from bench.record import cpu_label, machine
 from bench.shapes import DTYPES, SHAPES
 from bench.timing import round_medians_s
-from model.config import GPTConfig
-from model.gpt import GPT
-from service.engine import native_step
-from service.engine.kv_slots import SpanKVCache
-from service.engine.native_step import NativeStep
+from nanoserve.engine import native_step
+from nanoserve.engine.kv_slots import SpanKVCache
+from nanoserve.engine.native_step import NativeStep
+from nanoserve.model.config import GPTConfig
+from nanoserve.model.gpt import GPT
 
 REPO = Path(__file__).resolve().parents[1]
-NATIVE = "service/engine/native"
+NATIVE = "nanoserve/engine/native"
 
 
 def build(revision: str, out: Path) -> Path:

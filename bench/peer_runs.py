@@ -15,11 +15,11 @@ import torch
 
 from bench.shapes import DTYPES
 from bench.throughput_runs import Run
-from model.checkpoint import Checkpoint
-from model.gpt import GPT
-from service.engine.config import EngineConfig
-from service.engine.engine import Engine
-from service.engine.types import FinishReason, SamplingParams, Usage
+from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.types import FinishReason, SamplingParams, Usage
+from nanoserve.model.checkpoint import Checkpoint
+from nanoserve.model.gpt import GPT
 
 
 # ------------------------------------------------------------------------------------ engine
@@ -72,7 +72,7 @@ def bench_engine(
 
     async def go() -> float:
         await engine.warmup()
-        # Warm this batch size's shapes, and give the thread tuner (service/engine/threads.py)
+        # Warm this batch size's shapes, and give the thread tuner (nanoserve/engine/threads.py)
         # its first measurements: a long-running server has them after its first few steps.
         await generate_batch(engine, prompts[:conc], 16, params)
         times.decode.clear()
@@ -105,7 +105,7 @@ def hf_model(ckpt: Checkpoint) -> Any:
     """transformers' model of `ckpt` (GPT-2 or Llama, as exported) and its exported directory."""
     from transformers import AutoModelForCausalLM
 
-    from model.hf import export_hf
+    from nanoserve.model.hf import export_hf
 
     out = Path(tempfile.mkdtemp(prefix="nanoserve-bench-hf-"))
     export_hf(ckpt, out)

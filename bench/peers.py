@@ -22,8 +22,8 @@ from bench.llama_batched import bench_llama_batched
 from bench.llama_peer import bench_llama, llama_cpp_python
 from bench.peer_runs import bench_engine, bench_hf, bench_naive, hf_model
 from bench.shapes import DTYPES, make_checkpoint, prompts_for
-from service.engine.threads import single_threaded_elsewhere
-from service.heap import freeze_startup_heap
+from nanoserve.engine.threads import single_threaded_elsewhere
+from nanoserve.server.runtime.heap import freeze_startup_heap
 
 PEERS = ("engine", "hf", "naive", "llama.cpp")
 

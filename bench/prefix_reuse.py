@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from bench.shapes import make_checkpoint
-from model.checkpoint import Checkpoint, load_checkpoint
-from service.engine.config import EngineConfig
-from service.engine.engine import Engine
-from service.engine.types import SamplingParams
+from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.types import SamplingParams
+from nanoserve.model.checkpoint import Checkpoint, load_checkpoint
 
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare-char"
 

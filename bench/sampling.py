@@ -7,14 +7,14 @@ vocabulary, and Hugging Face's logits warpers, on the same logits in one process
 The logits are synthetic, N(0, scale^2) per token, at scales from flat (a randomly initialised
 model's: nearly uniform over 50k tokens) to peaked; each table row gives the distribution's mean
 entropy and how much of its mass its 64 likeliest tokens hold, because the candidates path
-(model/sampling.py `sample_tokens`) pays off exactly when a row's nucleus lies in its head.
+(nanoserve/model/sampling.py `sample_tokens`) pays off exactly when a row's nucleus lies in its head.
 Variants, alternating, median of `--steps` calls per round, best round kept:
   - candidates: `sample_tokens` as the engine runs it (`candidate_width` from the parameters);
   - whole vocabulary: `sample_tokens` with candidates off (every filter over all tokens);
   - HF: `transformers` processors and warpers (RepetitionPenaltyLogitsProcessor, then
     TemperatureLogitsWarper, TopK/TopP/MinP/TypicalLogitsWarper), softmax and
     `torch.multinomial`, as `generate(do_sample=True)` samples;
-  - native: the engine's native sampler (service/engine/native/sampler.inc), which the runner uses
+  - native: the engine's native sampler (nanoserve/engine/native/sampler.inc), which the runner uses
     for every sampled row on CPU (so it is what the engine runs); its picks are compared with the
     whole vocabulary's and the differences counted.
 Settings include typical_p (every token, always) and a repetition penalty over 256 random tokens
@@ -38,7 +38,7 @@ import torch
 
 from bench.record import RESULTS, cpu_label, load_avg, machine, write_results
 from bench.timing import best_median_s
-from model.sampling import CANDIDATES, SamplingBatch, candidate_width, sample_tokens, seeded_uniform
+from nanoserve.model.sampling import CANDIDATES, SamplingBatch, candidate_width, sample_tokens, seeded_uniform
 
 SCALES = {"flat (random weights)": 0.05, "scale 3": 3.0, "scale 6": 6.0, "scale 10": 10.0}
 SETTINGS: dict[str, dict[str, float]] = {
@@ -112,12 +112,12 @@ def hf_sampler(params: dict[str, float], context: torch.Tensor) -> Callable[[tor
 
 
 def native_sampler() -> Callable[[torch.Tensor, SamplingBatch, torch.Tensor], torch.Tensor] | None:
-    """The engine's native sampler (service/engine/native/sampler.inc) as the runner calls it, or
+    """The engine's native sampler (nanoserve/engine/native/sampler.inc) as the runner calls it, or
     None where the library is not built."""
-    from model.config import GPTConfig
-    from model.gpt import GPT
-    from service.engine.kv_slots import SpanKVCache
-    from service.engine.native_step import NativeStep, SamplePenalties, library_path
+    from nanoserve.engine.kv_slots import SpanKVCache
+    from nanoserve.engine.native_step import NativeStep, SamplePenalties, library_path
+    from nanoserve.model.config import GPTConfig
+    from nanoserve.model.gpt import GPT
 
     if library_path() is None:
         return None

@@ -81,7 +81,7 @@ def nanoserve_int8(args: argparse.Namespace) -> str | None:
     int8 can be served, else why not."""
     if args.nanoserve_int8_args:
         return None
-    done = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--help"], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "nanoserve.cli", "serve", "--help"], capture_output=True,
                           text=True, timeout=120, check=False)
     if "--quantize" in done.stdout and "int8" in done.stdout:
         args.nanoserve_int8_args = "--quantize int8"
@@ -94,7 +94,7 @@ def nanoserve_int8(args: argparse.Namespace) -> str | None:
 def one_server(way: str, dtype: str, args: argparse.Namespace, concs: list[int], ckpt_dir: Path,
                ggufs: dict[str, Path], prompts: list[list[int]], lc: LlamaCpp) -> dict[int, dict[str, Any]]:
     """Start `way` serving `dtype`, run every concurrency's load against it, stop it."""
-    from tests.service.server import free_port, running_server
+    from tests.server.server import free_port, running_server
 
     if way == "llama-server":
         config = LlamaServerConfig(args.slots, args.slot_context, args.threads)

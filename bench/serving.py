@@ -41,18 +41,18 @@ from bench.load_config import new_tokens
 from bench.load_report import percentiles
 from bench.record import RESULTS, cpu_label, load_avg, machine, write_results
 from bench.shapes import SHAPES, random_model, random_prompts
-from service.engine.threads import single_threaded_elsewhere
-from service.heap import freeze_startup_heap
+from nanoserve.engine.threads import single_threaded_elsewhere
+from nanoserve.server.runtime.heap import freeze_startup_heap
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def in_process(checkpoint: Path, conc: int, requests: int, new: int, prompt: str, dtype: str, spread: int,
                interval: int = 1, device: str = "cpu", gil_switch_interval: float = 0.0) -> dict[str, Any]:
-    from model.checkpoint import load_checkpoint
-    from service.engine.config import EngineConfig
-    from service.engine.engine import Engine
-    from service.engine.types import SamplingParams
+    from nanoserve.engine.config import EngineConfig
+    from nanoserve.engine.engine import Engine
+    from nanoserve.engine.types import SamplingParams
+    from nanoserve.model.checkpoint import load_checkpoint
 
     if gil_switch_interval > 0:  # an embedding application's choice; the server's own is by device
         sys.setswitchinterval(gil_switch_interval)
@@ -102,7 +102,7 @@ def over_http(checkpoint: Path, conc: int, requests: int, new: int, prompt: str,
               interval: int = 1, device: str = "cpu", gil_switch_interval: float = 0.0) -> dict[str, Any]:
     import httpx
 
-    from tests.service.server import running_server
+    from tests.server.server import running_server
 
     env = {"NANOSERVE_MAX_SEQS": str(conc), "NANOSERVE_MAX_QUEUE": str(requests),
            "NANOSERVE_LOG_LEVEL": "warning", "NANOSERVE_STREAM_INTERVAL": str(interval),
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     single_threaded_elsewhere()  # the in-process engine's thread is the only one with a pool
     # This process is the load generator both ways and the server in-process: keep full garbage
-    # collections off its start-up heap as `nanoserve serve` does (service/app.py).
+    # collections off its start-up heap as `nanoserve serve` does (nanoserve/server/app.py).
     freeze_startup_heap()
     started = {"load_before": load_avg()}
     with tempfile.TemporaryDirectory(prefix="nanoserve-bench-") as tmp:
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def random_checkpoint(shape: str, out: Path) -> tuple[Path, str]:
     """A server's checkpoint of `shape` with bench/shapes.py's random weights, and a prompt."""
-    from model.checkpoint import save_checkpoint
+    from nanoserve.model.checkpoint import save_checkpoint
 
     model, tokenizer = random_model(shape)
     prompt = tokenizer.decode(random_prompts(tokenizer.vocab_size, 1, 16)[0])

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from model.checkpoint import Checkpoint
-from model.config import GPTConfig
-from model.gpt import GPT
-from model.tokenizer import CharTokenizer, WordTokenizer
+from nanoserve.model.checkpoint import Checkpoint
+from nanoserve.model.config import GPTConfig
+from nanoserve.model.gpt import GPT
+from nanoserve.model.tokenizer import CharTokenizer, WordTokenizer
 
 SHAPES: dict[str, GPTConfig] = {
     # nanoGPT's shakespeare_char model (10.7M parameters) and GPT-2 small (124M).

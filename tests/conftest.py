@@ -47,10 +47,10 @@ def make_tiny_checkpoint(  # type: ignore[no-untyped-def]
     """A random-weight char-level checkpoint: fast to build, fixed by its seed."""
     import torch
 
-    from model.checkpoint import save_checkpoint
-    from model.config import GPTConfig
-    from model.gpt import GPT
-    from model.tokenizer import CharTokenizer
+    from nanoserve.model.checkpoint import save_checkpoint
+    from nanoserve.model.config import GPTConfig
+    from nanoserve.model.gpt import GPT
+    from nanoserve.model.tokenizer import CharTokenizer
 
     tok = CharTokenizer.train(TINY_VOCAB_TEXT)
     torch.manual_seed(seed)
@@ -69,10 +69,10 @@ def make_tiny_bpe_checkpoint(  # type: ignore[no-untyped-def]
     """A random-weight checkpoint with a byte-level BPE vocabulary trained on `corpus`."""
     import torch
 
-    from model.checkpoint import save_checkpoint
-    from model.config import GPTConfig
-    from model.gpt import GPT
-    from model.tokenizer import BPETokenizer
+    from nanoserve.model.checkpoint import save_checkpoint
+    from nanoserve.model.config import GPTConfig
+    from nanoserve.model.gpt import GPT
+    from nanoserve.model.tokenizer import BPETokenizer
 
     tok = BPETokenizer.train(corpus, vocab_size=vocab_size)
     torch.manual_seed(0)

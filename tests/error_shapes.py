@@ -1,4 +1,4 @@
-"""Reading an error answer in either API family's dialect (service/error_dialects.py)."""
+"""Reading an error answer in either API family's dialect (nanoserve/server/http/error_dialects.py)."""
 
 from __future__ import annotations
 

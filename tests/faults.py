@@ -4,7 +4,7 @@
 logits (`nan:<marker>`), or makes the forward it is in raise (`raise:<marker>`). Tests use it three
 ways:
 - in process: `with injected_faults("nan:POISON"): Engine(...)` (or `create_app(...)`);
-- on a real server process: `start_server(..., fault="raise:POISON")` (tests/service/server.py),
+- on a real server process: `start_server(..., fault="raise:POISON")` (tests/server/server.py),
   which runs `python -m tests.faults serve ...`: this module installs the fault, then runs the
   real `nanoserve` command line.
 """
@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from service.engine.backends import factory
-from service.engine.backends.base import Backend
-from service.engine.penalties import PenaltyState
-from service.engine.request import Request
-from service.engine.work import WorkItem
+from nanoserve.engine.backends import factory
+from nanoserve.engine.backends.base import Backend
+from nanoserve.engine.penalties import PenaltyState
+from nanoserve.engine.request import Request
+from nanoserve.engine.work import WorkItem
 
 FAULT_ENV = "NANOSERVE_TEST_FAULT"
 
@@ -88,7 +88,7 @@ def injected_faults(spec: str) -> Iterator[None]:
 
 def main(argv: Sequence[str]) -> int:
     """`nanoserve` with the fault of $NANOSERVE_TEST_FAULT installed."""
-    from service.cli import main as nanoserve
+    from nanoserve.cli import main as nanoserve
 
     with injected_faults(os.environ[FAULT_ENV]):
         return nanoserve(list(argv))

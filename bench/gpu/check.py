@@ -5,7 +5,7 @@
 Steps, in order (each writes its JSON; the driver gathers them):
   probe      the device, its software, measured copy bandwidth (bench/gpu/probe.py)
   tests      the engine suites on the torch backend on the device (the "torch-cuda" parameter of
-             tests/service/engine) and the CUDA device-index check of tests/reliability
+             tests/engine) and the CUDA device-index check of tests/reliability
   stream     greedy streams through a real uvicorn on the device against the reference
   engine     this engine at batch 1 and 64 (bench/gpu/peers.py)
   hf         Hugging Face generate, dynamic cache, same shapes
@@ -61,12 +61,12 @@ class Plan:
 def make_plan(dry_run: bool, budget_s: float | None = None) -> Plan:
     if dry_run:  # the CPU, small shapes: every step end to end in a few minutes
         plan = Plan("cpu", "10.7M", ("135M",), "float32", (1, 4), 8, (1, 4), 2, 1,
-                    ("tests/service/engine/test_reference_parity.py",
-                     "tests/service/engine/test_sampling.py"),
+                    ("tests/engine/test_reference_parity.py",
+                     "tests/engine/test_sampling.py"),
                     "torch and (greedy_matches_reference or seeded_sampling_same_alone)", 3, budget_s or 420)
     else:
         plan = Plan("cuda", "124M", ("135M",), "bfloat16", (1, 64), 128, (1, 64), 4, 2,
-                    ("tests/service/engine", "tests/reliability/test_startup_faults.py"),
+                    ("tests/engine", "tests/reliability/test_startup_faults.py"),
                     "torch-cuda or cuda_index", 40, budget_s or 420)
 
     def on(shape: str) -> list[str]:

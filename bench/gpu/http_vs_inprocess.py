@@ -19,8 +19,8 @@ from typing import Any
 
 from bench.serving import in_process, over_http, random_checkpoint
 from bench.shapes import SHAPES
-from service.engine.threads import single_threaded_elsewhere
-from service.heap import freeze_startup_heap
+from nanoserve.engine.threads import single_threaded_elsewhere
+from nanoserve.server.runtime.heap import freeze_startup_heap
 
 
 def measure(ckpt: Path, prompt: str, streams: int, args: argparse.Namespace) -> dict[str, Any]:

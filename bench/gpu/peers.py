@@ -27,7 +27,7 @@ import torch
 from bench.limits import model_costs
 from bench.peer_runs import bench_engine, hf_model
 from bench.shapes import DTYPES, SHAPES, make_checkpoint, prompts_for
-from model.checkpoint import Checkpoint
+from nanoserve.model.checkpoint import Checkpoint
 
 PEERS = ("engine", "hf", "hf-static")
 

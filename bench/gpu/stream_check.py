@@ -2,11 +2,11 @@
 
     python -m bench.gpu.stream_check --device cuda --json stream.json
 
-A real `nanoserve serve` (tests/service/server.py) serves the engine tests' lively checkpoint
+A real `nanoserve serve` (tests/server/server.py) serves the engine tests' lively checkpoint
 (sharp, context-dependent predictions: a wrong token shows) on `--device` in float32 through the
 torch backend (the one a GPU runs), with two KV slots and a 16-token prefill budget, so four
 concurrent greedy streams queue, prefill in chunks, batch, and run past the 32-token window. Each
-stream's token ids must be what the slow reference generator (model/reference.py, on the CPU)
+stream's token ids must be what the slow reference generator (nanoserve/model/reference.py, on the CPU)
 gives for its prompt; /info must name the device and the torch backend.
 """
 
@@ -21,10 +21,10 @@ from typing import Any
 
 import httpx
 
-from model.checkpoint import load_checkpoint
-from model.reference import reference_generate
-from tests.service.engine.conftest import make_lively_checkpoint
-from tests.service.server import running_server
+from nanoserve.model.checkpoint import load_checkpoint
+from nanoserve.model.reference import reference_generate
+from tests.engine.conftest import make_lively_checkpoint
+from tests.server.server import running_server
 
 PROMPTS = ["H", "Hello", "The quick brown fox", "To be, or not to be: that is the question" * 2]
 NEW_TOKENS = 70

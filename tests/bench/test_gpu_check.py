@@ -56,7 +56,7 @@ sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *sys.arg
 
 
 def test_the_gpu_filter_selects_the_cuda_tests_and_min_tests_of_them() -> None:
-    # Collected as on a GPU: tests/service/engine/conftest.py then adds the "torch-cuda" parameter.
+    # Collected as on a GPU: tests/engine/conftest.py then adds the "torch-cuda" parameter.
     plan = make_plan(dry_run=False)
     argv = [sys.executable, "-c", COLLECT_AS_ON_A_GPU, *plan.test_paths, "-k", plan.test_filter]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -75,7 +75,7 @@ def test_what_the_gpu_test_subset_imports_is_a_requirement_too(monkeypatch: pyte
     # The subset's own imports as pytest collects it: a module-level import the image lacks stops
     # the whole collection, so each must be carried; a fixture's lazy import (openai) is not.
     imports = subset_imports(make_plan(dry_run=False).test_paths)
-    assert imports["jsonschema"] == "tests/service/engine/test_grammar.py"
+    assert imports["jsonschema"] == "tests/engine/test_grammar.py"
     assert {"torch", "pytest", "numpy"} <= imports.keys()
     assert "openai" not in imports and not set(wheels.LOCAL) & imports.keys()
     without = {k: v for k, v in wheels.carried().items() if k != "jsonschema"}

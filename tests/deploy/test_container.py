@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.conftest import require_tool
-from tests.service.server import free_port
+from tests.server.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PODMAN = ROOT / "deploy" / "podman"
@@ -130,7 +130,7 @@ def test_sigterm_while_streaming_finishes_the_request_and_exits_zero(
 
     info = httpx.get(container.url + "/info", timeout=10).json()
     assert info["model_id"] == "shakespeare-char"  # the default checkpoint in the image
-    assert info["engine"]["backend"]["name"] == "native"  # the image built service/engine/native/decode.c
+    assert info["engine"]["backend"]["name"] == "native"  # the image built nanoserve/engine/native/decode.c
     # The image's HEALTHCHECK (plain Python against /ready) passes once ready.
     assert podman("healthcheck", "run", container.name, check=False).returncode == 0
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from service.settings import Settings
+from nanoserve.server.settings import Settings
 from tests.conftest import IN_CI, require_tool
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from tests.conftest import require_tool
-from tests.service.server import ServerProcess, free_port, start_server, wait_ready
+from tests.server.server import ServerProcess, free_port, start_server, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import yaml
 
-from service.engine.types import EngineStats
-from service.metrics import Metrics
+from nanoserve.engine.types import EngineStats
+from nanoserve.server.metrics import Metrics
 from tests.conftest import require_tool
-from tests.service.test_metrics import FakeEngine
+from tests.server.test_metrics import FakeEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from model.checkpoint import load_checkpoint
-from model.training.line_split import line_loss, sample_lines, split_lines
+from nanoserve.model.checkpoint import load_checkpoint
+from nanoserve.model.training.line_split import line_loss, sample_lines, split_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 CKPT = ROOT / "checkpoints" / "baby-names"

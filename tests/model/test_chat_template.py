@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from model.chat_template import ChatTemplateError, fit_chat, render_chat, validate_template
-from model.checkpoint import DEFAULT_CHAT_TEMPLATE
+from nanoserve.model.chat_template import ChatTemplateError, fit_chat, render_chat, validate_template
+from nanoserve.model.checkpoint import DEFAULT_CHAT_TEMPLATE
 
 TEMPLATE = {"roles": {"system": "S", "user": "U", "assistant": "A"}, "message": "{role}:{content}|",
             "generation_prompt": "{role}:", "stop": ["|"]}

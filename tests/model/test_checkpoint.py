@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from model.config import GPTConfig
-from model.gpt import GPT
-from model.tokenizer import CharTokenizer
+from nanoserve.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from nanoserve.model.config import GPTConfig
+from nanoserve.model.gpt import GPT
+from nanoserve.model.tokenizer import CharTokenizer
 from tests.conftest import make_tiny_checkpoint
 
 
@@ -228,7 +228,7 @@ def _refuse_reading_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args: object, **kwargs: object) -> None:
         raise AssertionError("the weights were read before the config was checked against them")
 
-    monkeypatch.setattr("model.checkpoint.load_file", boom)
+    monkeypatch.setattr("nanoserve.model.checkpoint.load_file", boom)
 
 
 def test_a_config_that_does_not_describe_the_file_is_refused_from_its_header(
@@ -331,7 +331,7 @@ def test_bad_manifest_values_are_rejected_by_name(ckpt_dir: Path, damage, messag
 
 
 def test_tokenizer_ids_beyond_its_vocabulary_are_refused(ckpt_dir: Path) -> None:
-    from model.tokenizer import BPETokenizer
+    from nanoserve.model.tokenizer import BPETokenizer
 
     bpe = BPETokenizer.train("hello world, hello there " * 20, 300).to_json()
     vocab = bpe["model"]["vocab"]
@@ -342,7 +342,7 @@ def test_tokenizer_ids_beyond_its_vocabulary_are_refused(ckpt_dir: Path) -> None
 
 
 def test_an_absent_or_null_template_is_the_default_one(ckpt_dir: Path) -> None:
-    from model.checkpoint import DEFAULT_CHAT_TEMPLATE
+    from nanoserve.model.checkpoint import DEFAULT_CHAT_TEMPLATE
 
     _rewrite_config(ckpt_dir, chat_template=None)
     assert load_checkpoint(ckpt_dir).chat_template == DEFAULT_CHAT_TEMPLATE
@@ -379,7 +379,7 @@ def test_a_file_whose_bytes_do_not_match_its_header_is_refused_before_reading(
 
 
 def test_a_template_that_loading_would_refuse_is_never_saved(tmp_path: Path) -> None:
-    from model.chat_template import ChatTemplateError
+    from nanoserve.model.chat_template import ChatTemplateError
 
     ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path / "a"))
     bad = {"roles": {"user": "U", "assistant": "A"}, "message": "{role}: {content}",

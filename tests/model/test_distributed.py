@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from model.checkpoint import load_checkpoint
+from nanoserve.model.checkpoint import load_checkpoint
 from tests.model.test_trainer import make_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ def test_two_process_torchrun_run_finishes_with_identical_replicas(tmp_path: Pat
     out = tmp_path / "ckpt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     cmd = [
-        str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "service.cli", "train",
+        str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "nanoserve.cli", "train",
         str(corpus), "--out", str(out), "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
         "--block-size", "32", "--batch-size", "8", "--max-iters", "30", "--warmup-iters", "3",
         "--lr", "3e-3", "--eval-interval", "10", "--eval-iters", "3", "--no-progress",
@@ -48,7 +48,7 @@ def test_two_process_torchrun_run_finishes_with_identical_replicas(tmp_path: Pat
 def test_each_torchrun_process_takes_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     # No GPU here: the rule alone. Under torchrun (TORCHELASTIC_RUN_ID set) plain `cuda` is the
     # process's LOCAL_RANK, not cuda:0 for all; an explicit index and cpu are left alone.
-    from model.training.trainer import rank_device
+    from nanoserve.model.training.trainer import rank_device
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert rank_device("cuda") == "cuda"

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.file_pages import FilePages
+from nanoserve.model.file_pages import FilePages
 
 
 def resident_kib(t: torch.Tensor) -> int:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import model.gpt as gpt_module
-from model.checkpoint import load_checkpoint, save_checkpoint
-from model.config import GPTConfig
-from model.gpt import GPT
-from model.reference import reference_generate
-from model.tokenizer import CharTokenizer
+import nanoserve.model.gpt as gpt_module
+from nanoserve.model.checkpoint import load_checkpoint, save_checkpoint
+from nanoserve.model.config import GPTConfig
+from nanoserve.model.gpt import GPT
+from nanoserve.model.reference import reference_generate
+from nanoserve.model.tokenizer import CharTokenizer
 from tests.conftest import TINY_VOCAB_TEXT
 
 

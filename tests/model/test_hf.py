@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.checkpoint import load_checkpoint, save_checkpoint
-from model.config import GPTConfig
-from model.gpt import GPT
-from model.hf import export_hf
-from model.tokenizer import CharTokenizer, Tokenizer, train_tokenizer
-from service.cli import main
+from nanoserve.cli import main
+from nanoserve.model.checkpoint import load_checkpoint, save_checkpoint
+from nanoserve.model.config import GPTConfig
+from nanoserve.model.gpt import GPT
+from nanoserve.model.hf import export_hf
+from nanoserve.model.tokenizer import CharTokenizer, Tokenizer, train_tokenizer
 from tests.conftest import require_module
 
 GPT2_DIR = Path(__file__).parent.parent / "data" / "gpt2"

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.checkpoint import load_checkpoint, save_checkpoint
-from model.config import GPTConfig
-from model.gpt import GPT
-from model.hf import HFConversionError, export_hf, import_hf
-from model.reference import reference_generate
-from model.tokenizer import BPETokenizer, CharTokenizer
+from nanoserve.model.checkpoint import load_checkpoint, save_checkpoint
+from nanoserve.model.config import GPTConfig
+from nanoserve.model.gpt import GPT
+from nanoserve.model.hf import HFConversionError, export_hf, import_hf
+from nanoserve.model.reference import reference_generate
+from nanoserve.model.tokenizer import BPETokenizer, CharTokenizer
 
 LLAMA = {"norm": "rmsnorm", "mlp": "swiglu", "positions": "rope", "bias": False}
 

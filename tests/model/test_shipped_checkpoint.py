@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.checkpoint import load_checkpoint
-from model.training.data import encode_and_split, read_corpus
-from model.training.trainer import full_split_loss
+from nanoserve.model.checkpoint import load_checkpoint
+from nanoserve.model.training.data import encode_and_split, read_corpus
+from nanoserve.model.training.trainer import full_split_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 CKPT = ROOT / "checkpoints" / "shakespeare-char"

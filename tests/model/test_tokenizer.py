@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from model.tokenizer import (
+from nanoserve.model.tokenizer import (
     EOT,
     BPETokenizer,
     CharTokenizer,

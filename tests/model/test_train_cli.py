@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from service.cli import main
+from nanoserve.cli import main
 from tests.model.test_trainer import make_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,14 +65,14 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.Co
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "train", *argv], cwd=ROOT, env=env, text=True,
+            [sys.executable, "-m", "nanoserve.cli", "train", *argv], cwd=ROOT, env=env, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
         for name, (argv, _) in _cases(tmp).items() if name in SUBPROCESS_CASES
     }
     # The installed console script, as users type it (the module form where it is not installed).
     script = Path(sys.executable).parent / "nanoserve"
-    nanoserve = [str(script)] if script.is_file() else [sys.executable, "-m", "service.cli"]
+    nanoserve = [str(script)] if script.is_file() else [sys.executable, "-m", "nanoserve.cli"]
     procs["help"] = subprocess.Popen([*nanoserve, "train", "--help"], cwd=ROOT, env=env, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out = {}
@@ -130,7 +130,7 @@ def test_resuming_on_a_corpus_the_vocabulary_cannot_encode(
 
 
 def test_training_a_llama_family_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from model.checkpoint import load_checkpoint
+    from nanoserve.model.checkpoint import load_checkpoint
 
     corpus = make_corpus(tmp_path / "c.txt", sentences=60)
     out = tmp_path / "llama"

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model.checkpoint import load_checkpoint
-from model.training.trainer import TrainConfig, train
+from nanoserve.model.checkpoint import load_checkpoint
+from nanoserve.model.training.trainer import TrainConfig, train
 
 WORDS = {
     "subject": ["the king", "a fool", "my lord", "the queen", "good Romeo", "this knave"],

@@ -9,7 +9,7 @@
   It and `secure` serve a 512-token window (LONG_WINDOW), the others the tiny 64-token one.
 - `drain`: gets SIGTERM under load.
 
-All run the real `nanoserve serve` through the HTTP tests' harness (tests/service/server.py).
+All run the real `nanoserve serve` through the HTTP tests' harness (tests/server/server.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.conftest import make_tiny_checkpoint
-from tests.service.server import ServerProcess, start_server, wait_ready
+from tests.server.server import ServerProcess, start_server, wait_ready
 
 SHARED_MAX_SEQS = 8
 SHARED_MAX_QUEUE = 16

@@ -26,13 +26,13 @@ from typing import Any, get_args
 import httpx
 import pytest
 
-from service.schemas.openai import ChatCompletionRequest, CompletionRequest
-from service.schemas.tgi import GenerateParameters
+from nanoserve.server.api.openai.schemas import ChatCompletionRequest, CompletionRequest
+from nanoserve.server.api.tgi.schemas import GenerateParameters
 from tests.conftest import make_tiny_bpe_checkpoint
 from tests.error_shapes import error_kind, error_message
 from tests.reliability.conftest import ONE_THREAD, READY_TIMEOUT_S
 from tests.reliability.observe import rss_bytes
-from tests.service.server import ServerProcess, start_server, wait_ready
+from tests.server.server import ServerProcess, start_server, wait_ready
 
 pytestmark = pytest.mark.slow
 

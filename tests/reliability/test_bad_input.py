@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.reliability.observe import scrape, total
-from tests.service.server import ServerProcess
+from tests.server.server import ServerProcess
 
 JSON = {"content-type": "application/json"}
 

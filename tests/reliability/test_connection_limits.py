@@ -36,7 +36,7 @@ from tests.reliability.raw_http import (
     read_until_close,
     split_responses,
 )
-from tests.service.server import ServerProcess, free_port, running_server, serve_command, wait_ready
+from tests.server.server import ServerProcess, free_port, running_server, serve_command, wait_ready
 
 MAX_CONNECTIONS = 64
 HEADER_TIMEOUT_S = 1.0

@@ -13,7 +13,7 @@ from pathlib import Path
 from tests.conftest import make_tiny_checkpoint
 from tests.reliability.conftest import ONE_THREAD
 from tests.reliability.raw_http import BystanderStream, connect, error_code, read_until_close, split_responses
-from tests.service.server import ServerProcess, running_server
+from tests.server.server import ServerProcess, running_server
 
 HEAD = (b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Length: 100\r\n\r\n")

@@ -20,7 +20,7 @@ from bench.load import LoadConfig, LoadReport, RequestResult, run_load
 from tests.reliability.conftest import API_KEYS, MATE_TOKENS, SHARED_MAX_SEQS
 from tests.reliability.conftest import FAULT_MARKER as MARKER
 from tests.reliability.observe import scrape, total, wait_until
-from tests.service.server import ServerProcess
+from tests.server.server import ServerProcess
 
 
 def load(url: str, n: int, **kw: object) -> LoadReport:

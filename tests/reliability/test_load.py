@@ -17,7 +17,7 @@ import pytest
 from bench.load import LoadConfig, LoadReport, main, run_load
 from tests.reliability.conftest import SHARED_MAX_QUEUE
 from tests.reliability.observe import Sample, rss_bytes, scrape, total, wait_until
-from tests.service.server import ServerProcess
+from tests.server.server import ServerProcess
 
 STREAMS = 64
 MAX_NEW_TOKENS = 32

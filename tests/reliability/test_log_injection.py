@@ -15,7 +15,7 @@ import pytest
 
 from tests.reliability.conftest import ONE_THREAD
 from tests.reliability.raw_http import connect, read_until_close, split_responses
-from tests.service.server import ServerProcess, running_server
+from tests.server.server import ServerProcess, running_server
 
 FORGING_PATH = "/a%0aFORGED%20line%1b[31mred%e2%80%a8sep%5cx0a"
 SEEN_PATH = "/a\\x0aFORGED line\\x1b[31mred\\u2028sep\\\\x0a"  # as the log must show it

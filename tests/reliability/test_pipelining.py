@@ -17,7 +17,7 @@ import pytest
 from tests.reliability.conftest import ONE_THREAD
 from tests.reliability.observe import rss_bytes, scrape, total
 from tests.reliability.raw_http import Baseline, connect, error_code, read_until_close, split_responses
-from tests.service.server import ServerProcess, running_server
+from tests.server.server import ServerProcess, running_server
 
 GARBAGE = b"THIS IS NOT HTTP\r\n\r\n"
 

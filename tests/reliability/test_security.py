@@ -18,11 +18,11 @@ import pytest
 
 from tests.error_shapes import error_kind, error_message
 from tests.reliability.conftest import ALLOWED_ORIGIN, API_KEYS
-from tests.service.server import REPO_ROOT, ServerProcess
+from tests.server.server import REPO_ROOT, ServerProcess
 
 WRONG_KEY = "wrong-key-but-long-enough-42"
 OPEN_ROUTES = {("GET", "/health"), ("GET", "/ready")}
-# Public by design (documented in service/auth.py): the static chat page holds no data, and
+# Public by design (documented in nanoserve/server/http/auth.py): the static chat page holds no data, and
 # /metrics is open unless `metrics_require_auth` is set. FastAPI's docs pages sit outside the app's
 # dependencies; they describe the API and hold no data either.
 PUBLIC_BY_DESIGN = {("GET", "/"), ("GET", "/metrics")}

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.service.server import free_port, serve_command, start_server
+from tests.server.server import free_port, serve_command, start_server
 
 WEIGHTS = "model.safetensors"
 
@@ -153,8 +153,8 @@ def test_broken_checkpoint_is_one_clear_error_before_serving(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """`nanoserve serve`'s own code path, in-process: it must return before uvicorn would start."""
-    from service import serve_cli
-    from service.cli import main
+    from nanoserve.cli import main
+    from nanoserve.server import serve_cli
 
     def would_serve(self: object) -> None:
         raise AssertionError("the server was about to open its port")

@@ -1,0 +1,7 @@
+"""`python -m nanoserve`: the same command as the `nanoserve` script."""
+
+import sys
+
+from nanoserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,315 @@
+"""Iteration-level (continuous) batching: what runs in each step.
+
+A step admits waiting requests into free KV slots, plans work for every running sequence (the
+next prompt chunk within the prefill budget, or one decode token), runs it through the
+`ModelRunner`, samples, and turns each sampled token into an event. Requests that finish, fail
+or are cancelled give back their slot in the same step.
+
+Context cropping lives here too. Positions are learned embeddings, so a sequence that outgrows
+the window must be recomputed from a cropped context:
+- `sliding`: after every token keep the last `window` tokens and re-prefill them (exactly
+  nanoGPT's `generate`; costs a full-window prefill per token once past the window);
+- `shift`: when the context would exceed the window, keep its last `keep` tokens and
+  re-prefill them once; the next `window - keep` tokens decode from the cache again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.prefix_cache import PrefixCache
+from nanoserve.engine.request import Request
+from nanoserve.engine.runner import ModelRunner
+from nanoserve.engine.types import FinishReason, TokenEvent, TopToken
+from nanoserve.engine.waiting_queue import WaitingQueue
+from nanoserve.engine.work import SampleResult, WorkItem
+from nanoserve.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    events: list[tuple[Request, TokenEvent]] = field(default_factory=list)
+    batch_size: int = 0  # rows that ran this step
+    prefill_tokens: int = 0  # prompt / re-prefill tokens fed this step
+    decode_tokens: int = 0
+
+    @property
+    def finished(self) -> list[tuple[Request, TokenEvent]]:
+        return [(r, e) for r, e in self.events if e.finish_reason is not None]
+
+
+class Scheduler:
+    """Owned by the engine thread; nothing here is thread-safe."""
+
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig, window: int) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.window = window
+        self.keep = config.keep_tokens(window)
+        self.eos_id = tokenizer.eos_id
+        self.free_slots = list(range(config.max_seqs))
+        self.running: list[Request] = []  # in admission order (FIFO for prefill)
+        self.steps = 0
+        self.context_shifts = 0
+        self.preemptions = 0
+        self.generated_tokens = 0
+        self.prefilled_tokens = 0
+        self.shared_prefill_tokens = 0  # prompt tokens a choice copied from its leader's slot
+        # Prompt prefix reuse (prefix_cache.py). Deterministic mode promises the same bits whatever
+        # the batch: a backend whose numbers depend on the forward's shape cannot keep it with reuse.
+        reuse = config.prefix_cache and (not config.deterministic or runner.backend.batch_invariant)
+        self.prefix = PrefixCache(enabled=reuse)
+
+    def fits(self, req: Request) -> bool:
+        """Whether `req` and its followers (one slot per choice) can all be admitted now."""
+        return len(self.free_slots) >= 1 + len(req.followers)
+
+    @property
+    def has_free_slot(self) -> bool:
+        return bool(self.free_slots)
+
+    def admit(self, req: Request, now: float) -> None:
+        """Seat `req` (and its followers) in free slots; `req` starts with whatever prefix of its
+        context the prefix cache holds already in place."""
+        if req.needs_prompt_logits:  # a reused prefix would compute none of its prompt's logits
+            self._seat(req, self.prefix.cheapest(self.free_slots), now)
+        else:
+            # Placed where the longest prefix of its context is cached (prefix_cache.py).
+            place = self.prefix.place(req.ctx, self.free_slots, self.running)
+            if place.source is not None:
+                self.runner.cache.copy_prefix(place.source, place.slot, place.reuse)
+            self._seat(req, place.slot, now)
+            req.n_cached = place.reuse
+        for follower in req.followers:  # each holds its slot, idle until the leader shares
+            self._seat(follower, self.prefix.cheapest(self.free_slots), now)
+
+    def _seat(self, req: Request, slot: int, now: float) -> None:
+        self.free_slots.remove(slot)
+        self.prefix.forget(slot)
+        req.slot = slot
+        req.scheduled_at = now
+        self.running.append(req)
+        self.runner.reset_slot(req)
+
+    def release(self, req: Request, reusable: bool = True) -> None:
+        """Give back `req`'s slot; unless `reusable` is False (its cache may hold garbage), the slot
+        remembers the tokens its cache holds for a later prompt to reuse."""
+        if req.slot >= 0:
+            if reusable:
+                self.prefix.remember(req.slot, req.ctx[: req.n_cached])
+            else:
+                self.prefix.forget(req.slot)
+            self.free_slots.append(req.slot)
+            self.free_slots.sort()  # lowest first: batches stay dense in the cache
+            req.slot = -1
+        if req in self.running:
+            self.running.remove(req)
+        for follower in req.followers:  # the leader ends before sharing: each prefills alone
+            follower.leader = None
+        req.followers = []
+
+    def share_prefill(self, leader: Request) -> None:
+        """The leader's prompt is in its slot: copy it into each follower's slot, all but the last
+        position, which each follower feeds itself to compute its own first logits."""
+        length = leader.n_cached
+        for follower in leader.followers:
+            shared = max(0, length - 1)
+            self.runner.cache.copy_prefix(leader.slot, follower.slot, shared)
+            follower.n_cached = shared
+            follower.leader = None
+            follower.prompt_scores.extend(leader.prompt_scores)  # the same prompt, scored once
+            self.shared_prefill_tokens += shared
+        leader.followers = []
+
+    def preempt(self, req: Request) -> None:
+        """Take `req`'s slot back for another client; when admitted again it re-prefills its
+        context (less what the prefix cache still holds of it) and goes on drawing the same tokens
+        (a draw depends on the request's seed and step only)."""
+        self.release(req)
+        req.n_cached = 0
+        if req.needs_prompt_logits:  # scored again from the start with the re-prefill
+            req.prompt_scores.clear()
+        self.preemptions += 1
+
+    def preemption_victim(self, waiting: WaitingQueue) -> Request | None:
+        """A running request to preempt so that a waiting client holding no slot gets one: the
+        newest of the client holding the most slots (at least two), when every slot is taken.
+        Requests without a client take no part."""
+        if self.free_slots or not any(c is not None for c in waiting.by_client):
+            return None
+        held = Counter(r.client for r in self.running if r.client is not None)
+        if not any(c is not None and not held[c] for c in waiting.by_client) or not held:
+            return None
+        greedy_client, n = held.most_common(1)[0]
+        if n < 2:
+            return None
+        # Choices of one prompt stay together (a follower may still wait for its leader's cache).
+        return next((r for r in reversed(self.running) if r.client == greedy_client and not _grouped(r)),
+                    None)
+
+    def reap(self, now: float, result: StepResult) -> None:
+        """End running requests that were cancelled or ran out of time before this step."""
+        for req in list(self.running):
+            if req.cancelled:
+                self._end(req, result, req.final_event(FinishReason.CANCELLED, now))
+            elif req.deadline is not None and now >= req.deadline:
+                self._end(req, result, req.final_event(FinishReason.LENGTH, now))
+
+    def fail_all(self, message: str, result: StepResult) -> None:
+        now = time.perf_counter()
+        for req in list(self.running):
+            self._end(req, result, req.final_event(FinishReason.ERROR, now, error=message))
+
+    def _end(self, req: Request, result: StepResult, event: TokenEvent) -> None:
+        # A failed forward or non-finite logits: the slot's cache is not worth reusing.
+        self.release(req, reusable=event.finish_reason is not FinishReason.ERROR)
+        result.events.append((req, event))
+
+    def plan(self) -> list[WorkItem]:
+        """Decode rows (one pending token) always run; prompt chunks run FIFO within the budget.
+
+        A chunk is min(pending, prefill_budget) whatever else runs, so a request is cut into the
+        same chunks alone or batched (the first chunk of a step always fits the budget). When no
+        row decodes, or prompts outnumber decoding rows by waiting_served_ratio, the step's budget
+        is the larger idle one: a burst of prompts is prefilled in one forward instead of a few,
+        and at most a few streams' next tokens wait for it.
+        """
+        items: list[WorkItem] = []
+        # A follower waits for its leader's prefill (share_prefill): it plans nothing.
+        leaders = [req for req in self.running if req.leader is None]
+        decoding = sum(req.pending == 1 for req in leaders)
+        budget = self.config.prefill_budget
+        if len(leaders) - decoding >= self.config.waiting_served_ratio * decoding:
+            budget = max(budget, self.config.idle_prefill_budget)  # the first chunk always fits
+        for req in leaders:
+            pending = req.pending
+            if pending == 1:
+                items.append(WorkItem(req, req.ctx[-1:], req.n_cached, completes=True))
+                continue
+            chunk = min(pending, self.config.prefill_budget)
+            if chunk > budget:
+                continue
+            budget -= chunk
+            tokens = req.ctx[req.n_cached : req.n_cached + chunk]
+            items.append(WorkItem(req, tokens, req.n_cached, completes=chunk == pending,
+                                  scores=req.prompt_rows_to_score(req.n_cached, chunk)))
+        return items
+
+    def step(self) -> StepResult:
+        result = StepResult()
+        now = time.perf_counter()
+        self.reap(now, result)
+        items = self.plan()
+        if not items:
+            return result
+        self.steps += 1
+        forward = self.runner.forward(items)
+        errors = forward.errors
+        done = time.perf_counter()
+        for i, item in enumerate(items):
+            req, n = item.req, len(item.tokens)
+            if i in errors:
+                self._end(req, result, req.final_event(FinishReason.ERROR, done, error=errors[i]))
+                continue
+            req.n_cached += n
+            if n > 1 or req.prefill_done_at is None:
+                result.prefill_tokens += n
+            if item.completes and req.prefill_done_at is None:
+                req.prefill_done_at = done
+                if req.followers:
+                    self.share_prefill(req)
+        result.batch_size = len(items)
+        self.prefilled_tokens += result.prefill_tokens
+        if forward.logits is not None:
+            self._sample_rows([items[i].req for i in forward.rows], forward.logits, result)
+        return result
+
+    def _sample_rows(self, reqs: list[Request], logits: torch.Tensor, result: StepResult) -> None:
+        """Sample the rows whose prefill completed; a request that only scores its prompt
+        (max_new_tokens 0) ends here instead, its prompt on its only event."""
+        scoring = [j for j, r in enumerate(reqs) if r.params.max_new_tokens == 0]
+        now = time.perf_counter()
+        for j in scoring:
+            self._end(reqs[j], result, reqs[j].final_event(FinishReason.LENGTH, now))
+        if scoring:
+            keep = [j for j in range(len(reqs)) if reqs[j].params.max_new_tokens > 0]
+            if not keep:
+                return
+            reqs, logits = [reqs[j] for j in keep], logits[keep]
+        self._sample_isolated(reqs, logits, result)
+
+    def _sample_isolated(self, reqs: list[Request], logits: torch.Tensor, result: StepResult) -> None:
+        """Sample and emit; if sampling raises, bisect so that only the rows whose own parameters
+        make it fail get an error, and their batch-mates their tokens (a draw depends only on the
+        row's own seed and step, so drawing a row again gives the same token)."""
+        try:
+            sampled = self.runner.next_tokens(reqs, logits)
+        except Exception as e:
+            if len(reqs) == 1:
+                log.warning("request %s failed in sampling: %s", reqs[0].request_id, e)
+                error = f"sampling failed: {type(e).__name__}: {e}"
+                self._end(reqs[0], result, reqs[0].final_event(FinishReason.ERROR, time.perf_counter(),
+                                                               error=error))
+                return
+            half = len(reqs) // 2
+            self._sample_isolated(reqs[:half], logits[:half], result)
+            self._sample_isolated(reqs[half:], logits[half:], result)
+            return
+        self._emit(sampled, result)
+
+    def _emit(self, sampled: SampleResult, result: StepResult) -> None:
+        now = time.perf_counter()
+        for j, req in enumerate(sampled.reqs):
+            if not sampled.finite[j]:
+                event = req.final_event(
+                    FinishReason.ERROR, now, error="the model produced non-finite logits (NaN/inf)"
+                )
+                self._end(req, result, event)
+                continue
+            token = sampled.tokens[j]
+            event = req.accept_token(token, self.eos_id, _logprob(sampled, j), self._top(sampled, j), now)
+            result.decode_tokens += 1
+            self.generated_tokens += 1
+            if req.finished:
+                self._end(req, result, event)
+                continue
+            result.events.append((req, event))
+            self._extend_context(req, token)
+
+    def _extend_context(self, req: Request, token: int) -> None:
+        req.ctx.append(token)
+        if len(req.ctx) <= self.window:
+            return
+        # The context outgrew the window: crop and recompute (see the module docstring).
+        keep = self.window if self.config.crop_policy == "sliding" else self.keep
+        req.ctx = req.ctx[-keep:]
+        req.n_cached = 0
+        req.shifts += 1
+        self.context_shifts += 1
+
+    def _top(self, sampled: SampleResult, j: int) -> tuple[TopToken, ...]:
+        n = sampled.reqs[j].params.top_n_tokens
+        if n <= 0 or sampled.top_ids is None or sampled.top_logprobs is None:
+            return ()
+        ids, lps = sampled.top_ids[j][:n], sampled.top_logprobs[j][:n]
+        return tuple(TopToken(i, self.tokenizer.id_to_piece(i), lp) for i, lp in zip(ids, lps, strict=True))
+
+
+def _grouped(req: Request) -> bool:
+    return req.leader is not None or bool(req.followers)
+
+
+def _logprob(sampled: SampleResult, j: int) -> float | None:
+    params = sampled.reqs[j].params
+    if sampled.logprobs is None or not (params.logprobs or params.top_n_tokens):
+        return None
+    return sampled.logprobs[j]

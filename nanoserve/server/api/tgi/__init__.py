@@ -1,0 +1,1 @@
+"""TGI's API: `/generate`, `/generate_stream`, `/info` and its schemas."""

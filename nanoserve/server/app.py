@@ -1,0 +1,224 @@
+"""The FastAPI application: `create_app(settings)` builds it; the lifespan loads the model.
+
+Layout of a request (outermost first): RequestContextMiddleware (arrival time, X-Request-Id,
+access log) -> the metrics middleware -> ErrorDialects (each API family's error shape) -> CORS
+(only when origins are configured) -> HeaderLimitMiddleware (431) -> DrainGate (503 while
+shutting down) -> BodyLimitMiddleware (413) -> HeadAsGet (HEAD on GET routes) -> ApiKeyGate
+(401, when keys are set) -> FastAPI (routes, the shared error handlers of nanoserve/server/http/errors.py).
+The OpenAPI document is completed by nanoserve/server/api/docs.py (shared error statuses, SSE events).
+
+Integration points for other modules:
+
+1. Routers. The OpenAI-compatible API and the chat page add themselves in `_include_routers`:
+   `app.include_router(openai_router)` / `app.include_router(chat_router)`. The API-key
+   gate covers every path but the public ones (nanoserve/server/http/auth.py), so nothing extra is needed.
+   Routes get the engine with `engine: EngineDep` and settings with `settings: SettingsDep`
+   (nanoserve/server/deps.py, re-exported here), and run generations through
+   nanoserve/server/streaming/generation.py (`start_generation`, `collect`) and
+   nanoserve/server/streaming/sse.py (`event_stream`),
+   so limits, metrics, the access log, keep-alives, disconnects and error events behave the same
+   on every route. Document a streamed 200 with `api_docs.sse_response_doc(description, Model)`.
+2. Metrics. `nanoserve.server.metrics.Metrics` (one per app, `app.state.metrics`): its `observer` is passed
+   to the Engine, `bind_engine(engine)` after the engine is built, `install(app)` adds the HTTP
+   middleware, `track_stream(stream, route, arrival)` wraps every generation (done by
+   `start_generation`), `render()` serves GET /metrics (routes/system.py).
+3. `request.state.arrival` (time.perf_counter() at the very start of the request) and
+   `request.state.request_id` are set for every request by RequestContextMiddleware.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from nanoserve.engine.backends.factory import check_backend
+from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.threads import single_threaded_executor
+from nanoserve.model.checkpoint import Checkpoint, load_checkpoint
+from nanoserve.server.api.docs import install_openapi
+from nanoserve.server.deps import EngineDep, SettingsDep, get_engine, get_settings, server_version
+from nanoserve.server.http.access_log import RequestContextMiddleware
+from nanoserve.server.http.auth import ApiKeyGate, require_api_key
+from nanoserve.server.http.error_dialects import ErrorDialects
+from nanoserve.server.http.errors import install_error_handlers
+from nanoserve.server.http.head import HeadAsGet
+from nanoserve.server.http.request_guard import BodyLimitMiddleware, DrainGate, HeaderLimitMiddleware
+from nanoserve.server.metrics import Metrics
+from nanoserve.server.runtime.gil import apply_switch_interval
+from nanoserve.server.runtime.heap import freeze_startup_heap, return_free_memory
+from nanoserve.server.settings import Settings
+from nanoserve.server.streaming.encoding import EncodeQueue
+
+log = logging.getLogger("nanoserve.app")
+
+__all__ = ["EngineDep", "SettingsDep", "create_app", "drain", "get_engine", "get_settings"]
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    """The engine's settings, taken from the server's (raises ValueError naming a bad combination,
+    a backend that cannot run here included)."""
+    config = EngineConfig(
+        device=settings.device,
+        dtype=settings.dtype,
+        kv_cache_dtype=settings.kv_cache_dtype,
+        native_isa=settings.native_isa,
+        quantize=settings.quantize,
+        screen_head=settings.screen_head,
+        max_seqs=settings.max_seqs,
+        max_queue=settings.max_queue,
+        max_waiting_per_client=settings.max_waiting_per_client,
+        max_context=settings.max_context,
+        prefill_budget=settings.prefill_budget,
+        idle_prefill_budget=settings.idle_prefill_budget,
+        waiting_served_ratio=settings.waiting_served_ratio,
+        crop_policy=settings.crop_policy,
+        shift_keep=settings.shift_keep,
+        reject_long_prompts=settings.reject_long_prompts,
+        deterministic=settings.deterministic,
+        prefix_cache=settings.prefix_cache,
+        cpu_threads=settings.cpu_threads,
+        compile=settings.compile,
+        backend=settings.backend,
+    )
+    check_backend(config)
+    return config
+
+
+class Lifecycle:
+    """Readiness and draining, shared by the routes, the drain gate and `nanoserve serve`."""
+
+    def __init__(self) -> None:
+        self.draining = False  # no longer admitting: readiness and new requests answer 503
+        self.drain_started = False
+
+    def is_draining(self) -> bool:
+        return self.draining
+
+
+async def drain(app: FastAPI, timeout_s: float) -> None:
+    """Stop admitting (readiness 503, new requests 503), let in-flight requests finish, stop the engine."""
+    lifecycle: Lifecycle = app.state.lifecycle
+    if lifecycle.drain_started:
+        return
+    lifecycle.drain_started = True
+    lifecycle.draining = True
+    engine: Engine | None = app.state.engine
+    log.info("draining: waiting up to %.1fs for in-flight requests", timeout_s)
+    if engine is not None:
+        await engine.shutdown(timeout_s)
+    log.info("drained")
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    # Before the first `to_thread`: blocking work (loading, the engine's weight packing, long
+    # prompts' encoding) must not leave an OpenMP pool beside the engine thread's.
+    asyncio.get_running_loop().set_default_executor(single_threaded_executor())
+    # A checkpoint handed to create_app serves one start: nothing may keep its weights once the
+    # engine has them (the runner frees the model's copies the native step packed); a later start
+    # loads settings.checkpoint, the file it came from.
+    checkpoint: Checkpoint | None = app.state.checkpoint
+    app.state.checkpoint = None
+    if checkpoint is None:
+        checkpoint = await asyncio.to_thread(load_checkpoint, settings.checkpoint)
+    metrics: Metrics = app.state.metrics
+    config = engine_config(settings)
+    engine = await asyncio.to_thread(Engine, checkpoint, config, metrics.observer)
+    del checkpoint
+    return_free_memory()  # the weights the engine released (nanoserve/server/runtime/heap.py)
+    metrics.bind_engine(engine)
+    # The server's own process: an application embedding the Engine keeps its interpreter's setting.
+    apply_switch_interval(settings.gil_switch_interval, config.resolved_device())
+    engine.start()
+    frozen = False
+    try:
+        await engine.warmup()
+        frozen = freeze_startup_heap()
+        app.state.engine = engine
+        log.info("serving %s (window %d) on %s", engine.checkpoint.name, engine.window,
+                 config.resolved_device())
+        yield
+    finally:
+        app.state.engine = None
+        if frozen:
+            gc.unfreeze()
+        await drain_engine(engine, 0.0 if app.state.lifecycle.draining else settings.drain_timeout)
+
+
+async def drain_engine(engine: Engine, timeout_s: float) -> None:
+    try:
+        await engine.shutdown(timeout_s)
+    except Exception:
+        log.exception("engine shutdown failed")
+
+
+def _include_routers(app: FastAPI) -> None:
+    from nanoserve.server.api.chat_page import router as chat_page_router
+    from nanoserve.server.api.openai.routes import router as openai_router
+    from nanoserve.server.api.system import router as system_router
+    from nanoserve.server.api.tgi.routes import router as tgi_router
+
+    app.include_router(system_router)
+    app.include_router(tgi_router)
+    app.include_router(openai_router)
+    app.include_router(chat_page_router)
+
+
+def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | None = None) -> FastAPI:
+    """The ASGI app. `checkpoint`, when given, is served instead of loading `settings.checkpoint`
+    (at the first start only: see lifespan)."""
+    settings = settings or Settings()
+    app = FastAPI(
+        title="nanoserve",
+        version=server_version(),
+        description="Text generation for small GPT models: the TGI API and an "
+        "OpenAI-compatible API, with SSE streaming.",
+        lifespan=lifespan,
+        # Only with keys: without them the OpenAPI document must not claim a security scheme.
+        dependencies=[Depends(require_api_key)] if settings.api_keys else [],
+        # No 307 to the path without its trailing slash: its Location would be built from the
+        # client's Host header (an open redirect). A trailing slash is a 404 like any unknown path.
+        redirect_slashes=False,
+    )
+    app.state.settings = settings
+    app.state.checkpoint = checkpoint
+    app.state.engine = None
+    app.state.api_keys = settings.api_key_values()
+    app.state.lifecycle = Lifecycle()
+    app.state.metrics = Metrics()
+    app.state.encode_queue = EncodeQueue(settings.max_pending_encode_chars)
+    install_error_handlers(app)
+    _include_routers(app)
+    install_openapi(app)
+    # add_middleware wraps: the last one added is the outermost.
+    if settings.api_keys:  # before anything reads the body (nanoserve/server/http/auth.py)
+        app.add_middleware(ApiKeyGate, keys=app.state.api_keys,
+                           metrics_require_auth=settings.metrics_require_auth)
+    app.add_middleware(HeadAsGet)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
+                       timeout_s=settings.body_timeout)
+    app.add_middleware(DrainGate, is_draining=app.state.lifecycle.is_draining)
+    app.add_middleware(HeaderLimitMiddleware, max_bytes=settings.max_header_bytes,
+                       max_count=settings.max_headers)
+    if settings.cors_origins:
+        from nanoserve.server.api.openai.routes import DROPPED_HEADER
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+            expose_headers=["X-Request-Id", "Retry-After", DROPPED_HEADER],
+        )
+    app.add_middleware(ErrorDialects)  # outside CORS: its plain-text refusals get the error shape
+    app.state.metrics.install(app)  # outside ErrorDialects: it counts the statuses clients get
+    app.add_middleware(RequestContextMiddleware)
+    return app

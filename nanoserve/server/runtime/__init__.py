@@ -1,0 +1,1 @@
+"""Process settings the server makes for itself: the GIL switch interval and the heap."""
