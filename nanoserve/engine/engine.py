@@ -21,6 +21,7 @@ from nanoserve.engine import admission, introspection
 from nanoserve.engine.backends import factory
 from nanoserve.engine.backends.factory import native_unavailable
 from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.core import EngineCore
 from nanoserve.engine.dtype_probe import SLOW_FACTOR, cpu_matmul_slowdown
 from nanoserve.engine.grammar import Constraint, Grammars
 from nanoserve.engine.ids import new_id, new_seed
@@ -87,7 +88,9 @@ class Engine:
             self.backend, checkpoint.config.vocab_size, usable_vocab=self.tokenizer.vocab_size,
             deterministic=config.deterministic, cpu_threads=cpu_threads,
         )
-        self.scheduler = Scheduler(self.runner, self.tokenizer, config, self.window)
+        self.scheduler = Scheduler(self.tokenizer, config, self.window,
+                                   batch_invariant=self.backend.batch_invariant)
+        self.core = EngineCore(self.scheduler, self.runner)
         self._waiting = WaitingQueue()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -319,7 +322,7 @@ class Engine:
                 self._admit(now)
         t0 = time.perf_counter()
         try:
-            result = self.scheduler.step()
+            result = self.core.step()
         except Exception as e:  # fail this step's requests, keep serving
             log.exception("engine step failed")
             result = StepResult()

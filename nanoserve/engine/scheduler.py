@@ -1,9 +1,11 @@
 """Iteration-level (continuous) batching: what runs in each step.
 
-A step admits waiting requests into free KV slots, plans work for every running sequence (the
-next prompt chunk within the prefill budget, or one decode token), runs it through the
-`ModelRunner`, samples, and turns each sampled token into an event. Requests that finish, fail
-or are cancelled give back their slot in the same step.
+Waiting requests are admitted into free KV slots; each step, `schedule()` plans work for every
+running sequence (the next prompt chunk within the prefill budget, or one decode token) as a
+`StepPlan` of plain data, the engine core (core.py) executes it on the runner, and
+`update_from_output()` turns each sampled token into an event. Requests that finish, fail or are
+cancelled give back their slot in the same step. Nothing here touches tensors: what admission
+and prompt sharing do to the KV slots is recorded as slot operations the next plan carries.
 
 Context cropping lives here too. Positions are learned embeddings, so a sequence that outgrows
 the window must be recomputed from a cropped context:
@@ -15,23 +17,26 @@ the window must be recomputed from a cropped context:
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-import torch
-
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.prefix_cache import PrefixCache
 from nanoserve.engine.request import Request
-from nanoserve.engine.runner import ModelRunner
+from nanoserve.engine.step_plan import (
+    CopyPrefix,
+    ResetSlot,
+    RowError,
+    SlotOp,
+    StepOutput,
+    StepPlan,
+    samples_tokens,
+)
 from nanoserve.engine.types import FinishReason, TokenEvent, TopToken
 from nanoserve.engine.waiting_queue import WaitingQueue
 from nanoserve.engine.work import SampleResult, WorkItem
 from nanoserve.model.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,8 +54,9 @@ class StepResult:
 class Scheduler:
     """Owned by the engine thread; nothing here is thread-safe."""
 
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig, window: int) -> None:
-        self.runner = runner
+    def __init__(self, tokenizer: Tokenizer, config: EngineConfig, window: int, *,
+                 batch_invariant: bool) -> None:
+        """`batch_invariant`: the backend computes a row the same whatever else its forward holds."""
         self.tokenizer = tokenizer
         self.config = config
         self.window = window
@@ -66,8 +72,9 @@ class Scheduler:
         self.shared_prefill_tokens = 0  # prompt tokens a choice copied from its leader's slot
         # Prompt prefix reuse (prefix_cache.py). Deterministic mode promises the same bits whatever
         # the batch: a backend whose numbers depend on the forward's shape cannot keep it with reuse.
-        reuse = config.prefix_cache and (not config.deterministic or runner.backend.batch_invariant)
+        reuse = config.prefix_cache and (not config.deterministic or batch_invariant)
         self.prefix = PrefixCache(enabled=reuse)
+        self._slot_ops: list[SlotOp] = []  # for the next plan, in order
 
     def fits(self, req: Request) -> bool:
         """Whether `req` and its followers (one slot per choice) can all be admitted now."""
@@ -86,7 +93,7 @@ class Scheduler:
             # Placed where the longest prefix of its context is cached (prefix_cache.py).
             place = self.prefix.place(req.ctx, self.free_slots, self.running)
             if place.source is not None:
-                self.runner.cache.copy_prefix(place.source, place.slot, place.reuse)
+                self._slot_ops.append(CopyPrefix(place.source, place.slot, place.reuse))
             self._seat(req, place.slot, now)
             req.n_cached = place.reuse
         for follower in req.followers:  # each holds its slot, idle until the leader shares
@@ -98,7 +105,7 @@ class Scheduler:
         req.slot = slot
         req.scheduled_at = now
         self.running.append(req)
-        self.runner.reset_slot(req)
+        self._slot_ops.append(ResetSlot(req, slot))
 
     def release(self, req: Request, reusable: bool = True) -> None:
         """Give back `req`'s slot; unless `reusable` is False (its cache may hold garbage), the slot
@@ -118,12 +125,13 @@ class Scheduler:
         req.followers = []
 
     def share_prefill(self, leader: Request) -> None:
-        """The leader's prompt is in its slot: copy it into each follower's slot, all but the last
-        position, which each follower feeds itself to compute its own first logits."""
+        """The leader's prompt is in its slot: copy it into each follower's slot (before the next
+        forward), all but the last position, which each follower feeds itself to compute its own
+        first logits."""
         length = leader.n_cached
         for follower in leader.followers:
             shared = max(0, length - 1)
-            self.runner.cache.copy_prefix(leader.slot, follower.slot, shared)
+            self._slot_ops.append(CopyPrefix(leader.slot, follower.slot, shared))
             follower.n_cached = shared
             follower.leader = None
             follower.prompt_scores.extend(leader.prompt_scores)  # the same prompt, scored once
@@ -156,13 +164,19 @@ class Scheduler:
         return next((r for r in reversed(self.running) if r.client == greedy_client and not _grouped(r)),
                     None)
 
-    def reap(self, now: float, result: StepResult) -> None:
+    def reap(self, now: float) -> list[tuple[Request, TokenEvent]]:
         """End running requests that were cancelled or ran out of time before this step."""
+        ended: list[tuple[Request, TokenEvent]] = []
         for req in list(self.running):
             if req.cancelled:
-                self._end(req, result, req.final_event(FinishReason.CANCELLED, now))
+                event = req.final_event(FinishReason.CANCELLED, now)
             elif req.deadline is not None and now >= req.deadline:
-                self._end(req, result, req.final_event(FinishReason.LENGTH, now))
+                event = req.final_event(FinishReason.LENGTH, now)
+            else:
+                continue
+            self.release(req)
+            ended.append((req, event))
+        return ended
 
     def fail_all(self, message: str, result: StepResult) -> None:
         now = time.perf_counter()
@@ -204,67 +218,51 @@ class Scheduler:
                                   scores=req.prompt_rows_to_score(req.n_cached, chunk)))
         return items
 
-    def step(self) -> StepResult:
-        result = StepResult()
-        now = time.perf_counter()
-        self.reap(now, result)
+    def schedule(self, now: float) -> StepPlan:
+        """This step's plan: requests cancelled or past their deadline end first, then every
+        running sequence's work (plan()), with the slot operations recorded since the last plan."""
+        ended = self.reap(now)
         items = self.plan()
-        if not items:
+        if items:
+            self.steps += 1
+        ops, self._slot_ops = self._slot_ops, []
+        return StepPlan(self.steps if items else 0, items, ops, ended)
+
+    def update_from_output(self, plan: StepPlan, output: StepOutput) -> StepResult:
+        """Apply what the backend made of `plan`: cached positions, finished prefills, prompt
+        sharing, and one event per drawn token (or failure)."""
+        result = StepResult(events=list(plan.ended))
+        if not plan.items:
             return result
-        self.steps += 1
-        forward = self.runner.forward(items)
-        errors = forward.errors
-        done = time.perf_counter()
-        for i, item in enumerate(items):
+        for i, item in enumerate(plan.items):
             req, n = item.req, len(item.tokens)
-            if i in errors:
-                self._end(req, result, req.final_event(FinishReason.ERROR, done, error=errors[i]))
+            if i in output.errors:
+                self._end(req, result, req.final_event(FinishReason.ERROR, output.forward_done,
+                                                       error=output.errors[i]))
                 continue
             req.n_cached += n
             if n > 1 or req.prefill_done_at is None:
                 result.prefill_tokens += n
             if item.completes and req.prefill_done_at is None:
-                req.prefill_done_at = done
+                req.prefill_done_at = output.forward_done
                 if req.followers:
                     self.share_prefill(req)
-        result.batch_size = len(items)
+        result.batch_size = len(plan.items)
         self.prefilled_tokens += result.prefill_tokens
-        if forward.logits is not None:
-            self._sample_rows([items[i].req for i in forward.rows], forward.logits, result)
-        return result
-
-    def _sample_rows(self, reqs: list[Request], logits: torch.Tensor, result: StepResult) -> None:
-        """Sample the rows whose prefill completed; a request that only scores its prompt
-        (max_new_tokens 0) ends here instead, its prompt on its only event."""
-        scoring = [j for j, r in enumerate(reqs) if r.params.max_new_tokens == 0]
+        # A request that only scores its prompt (max_new_tokens 0) ends here, its prompt on its only event.
         now = time.perf_counter()
-        for j in scoring:
-            self._end(reqs[j], result, reqs[j].final_event(FinishReason.LENGTH, now))
-        if scoring:
-            keep = [j for j in range(len(reqs)) if reqs[j].params.max_new_tokens > 0]
-            if not keep:
-                return
-            reqs, logits = [reqs[j] for j in keep], logits[keep]
-        self._sample_isolated(reqs, logits, result)
-
-    def _sample_isolated(self, reqs: list[Request], logits: torch.Tensor, result: StepResult) -> None:
-        """Sample and emit; if sampling raises, bisect so that only the rows whose own parameters
-        make it fail get an error, and their batch-mates their tokens (a draw depends only on the
-        row's own seed and step, so drawing a row again gives the same token)."""
-        try:
-            sampled = self.runner.next_tokens(reqs, logits)
-        except Exception as e:
-            if len(reqs) == 1:
-                log.warning("request %s failed in sampling: %s", reqs[0].request_id, e)
-                error = f"sampling failed: {type(e).__name__}: {e}"
-                self._end(reqs[0], result, reqs[0].final_event(FinishReason.ERROR, time.perf_counter(),
-                                                               error=error))
-                return
-            half = len(reqs) // 2
-            self._sample_isolated(reqs[:half], logits[:half], result)
-            self._sample_isolated(reqs[half:], logits[half:], result)
-            return
-        self._emit(sampled, result)
+        for i in output.rows:
+            req = plan.items[i].req
+            if not samples_tokens(req):
+                self._end(req, result, req.final_event(FinishReason.LENGTH, now))
+        for sampled in output.samples:
+            if isinstance(sampled, RowError):
+                req = sampled.req
+                self._end(req, result, req.final_event(FinishReason.ERROR, time.perf_counter(),
+                                                       error=sampled.message))
+            else:
+                self._emit(sampled, result)
+        return result
 
     def _emit(self, sampled: SampleResult, result: StepResult) -> None:
         now = time.perf_counter()

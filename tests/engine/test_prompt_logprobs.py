@@ -171,8 +171,7 @@ def test_a_request_preempted_mid_prompt_is_scored_again_from_its_start(lively: C
     try:
         ids = lively.tokenizer.encode(PROMPT)
         req = _request(lively, PROMPT, SamplingParams(echo=True, prompt_logprobs=0), loop)
-        scheduler = Scheduler(runner=None, tokenizer=lively.tokenizer, config=EngineConfig(),  # type: ignore[arg-type]
-                              window=32)
+        scheduler = Scheduler(lively.tokenizer, EngineConfig(), window=32, batch_invariant=True)
         req.slot, req.n_cached = scheduler.free_slots.pop(0), 5
         scheduler.running.append(req)
         req.prompt_scores.extend(PromptScores([-1.0] * 5, [[]] * 5, [[]] * 5))  # the first chunk's

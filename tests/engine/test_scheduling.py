@@ -186,45 +186,6 @@ async def test_dropping_a_stream_without_closing_it_frees_the_slot(make_engine: 
     await wait_for(lambda: engine.stats().slots_used == 0)
 
 
-def _planner(prefill_budget: int, idle_prefill_budget: int, pending: list[int],
-             ratio: float = 1.2) -> list[tuple[int, int]]:
-    """Plan one step for requests with these pending token counts; (request index, chunk) pairs."""
-    from types import SimpleNamespace
-
-    from nanoserve.engine.config import EngineConfig
-    from nanoserve.engine.scheduler import Scheduler
-
-    config = EngineConfig(prefill_budget=prefill_budget, idle_prefill_budget=idle_prefill_budget,
-                          waiting_served_ratio=ratio)
-    scheduler = Scheduler(runner=None, tokenizer=SimpleNamespace(eos_id=None), config=config, window=256)  # type: ignore[arg-type]
-    for i, n in enumerate(pending):
-        ctx = list(range(100 + n))
-        req = SimpleNamespace(index=i, ctx=ctx, n_cached=100, pending=n, leader=None,
-                              prompt_rows_to_score=lambda start, count: 0)
-        scheduler.running.append(req)  # type: ignore[arg-type]
-    return [(item.req.index, len(item.tokens)) for item in scheduler.plan()]  # type: ignore[attr-defined]
-
-
-def test_prefill_budget_per_step_and_the_larger_idle_budget() -> None:
-    # Someone decodes (and prompts are not a wave: ratio 10): one budget's worth of prompt chunks
-    # joins the decode row.
-    assert _planner(8, 32, [1, 8, 8, 8], ratio=10) == [(0, 1), (1, 8)]
-    # Nobody decodes: up to the idle budget, still in prefill_budget-sized chunks per request.
-    assert _planner(8, 32, [8, 8, 8, 8, 8]) == [(0, 8), (1, 8), (2, 8), (3, 8)]
-    assert _planner(8, 32, [100, 3, 20]) == [(0, 8), (1, 3), (2, 8)]
-    # The first chunk of a step always fits, even if the idle budget is smaller.
-    assert _planner(8, 4, [8, 8]) == [(0, 8)]
-
-
-def test_a_wave_of_prompts_gets_the_idle_budget_while_it_outnumbers_the_decoding_rows() -> None:
-    # One row decodes, two prompts wait: 2 >= 1.2 x 1, so the wave is prefilled in this step.
-    assert _planner(8, 32, [1, 8, 8]) == [(0, 1), (1, 8), (2, 8)]
-    # Three rows decode, two prompts: 2 < 3.6, the normal budget (one chunk).
-    assert _planner(8, 32, [1, 1, 1, 8, 8]) == [(0, 1), (1, 1), (2, 1), (3, 8)]
-    # The ratio is the threshold: at 2.5, two prompts beside one decoding row are not a wave.
-    assert _planner(8, 32, [1, 8, 8], ratio=2.5) == [(0, 1), (1, 8)]
-
-
 async def test_admission_is_fair_between_clients(make_engine: EngineFactory) -> None:
     # One slot. Client a has one request running and three waiting, then b queues one: b's is
     # admitted second, right after the request that was running, not behind all of a's.
