@@ -43,6 +43,7 @@ from nanoserve.engine.engine import Engine
 from nanoserve.engine.threads import single_threaded_executor
 from nanoserve.model.checkpoint import Checkpoint, load_checkpoint
 from nanoserve.server.api.docs import install_openapi
+from nanoserve.server.api.openai.responses_store import ResponseStore
 from nanoserve.server.deps import EngineDep, SettingsDep, get_engine, get_settings, server_version
 from nanoserve.server.http.access_log import RequestContextMiddleware
 from nanoserve.server.http.auth import ApiKeyGate, require_api_key
@@ -162,6 +163,8 @@ async def drain_engine(engine: Engine, timeout_s: float) -> None:
 
 def _include_routers(app: FastAPI) -> None:
     from nanoserve.server.api.chat_page import router as chat_page_router
+    from nanoserve.server.api.openai.embeddings import router as embeddings_router
+    from nanoserve.server.api.openai.responses import router as responses_router
     from nanoserve.server.api.openai.routes import router as openai_router
     from nanoserve.server.api.system import router as system_router
     from nanoserve.server.api.tgi.routes import router as tgi_router
@@ -169,6 +172,8 @@ def _include_routers(app: FastAPI) -> None:
     app.include_router(system_router)
     app.include_router(tgi_router)
     app.include_router(openai_router)
+    app.include_router(embeddings_router)
+    app.include_router(responses_router)
     app.include_router(chat_page_router)
 
 
@@ -195,6 +200,7 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app.state.lifecycle = Lifecycle()
     app.state.metrics = Metrics()
     app.state.encode_queue = EncodeQueue(settings.max_pending_encode_chars)
+    app.state.responses_store = ResponseStore(settings.responses_store, settings.responses_store_mb << 20)
     install_error_handlers(app)
     _include_routers(app)
     install_openapi(app)
@@ -214,7 +220,7 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
         app.add_middleware(
             CORSMiddleware,
             allow_origins=settings.cors_origins,
-            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
             expose_headers=["X-Request-Id", "Retry-After", DROPPED_HEADER],
         )

@@ -134,6 +134,15 @@ class Settings(BaseSettings):
     )
     max_headers: int = Field(default=100, ge=8, description="Requests with more headers get 431.")
 
+    responses_store: int = Field(
+        default=1000, ge=0, le=1_000_000,
+        description="Responses API: finished responses kept in memory for GET /v1/responses/{id} and "
+        "previous_response_id, the least recently used evicted first (0: none are kept).",
+    )
+    responses_store_mb: int = Field(
+        default=64, ge=1, le=1 << 20, description="Responses API: MiB those stored responses may hold."
+    )
+
     # Connections.
     max_connections: int = Field(
         default=1024, ge=1, le=1_000_000,

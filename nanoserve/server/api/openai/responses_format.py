@@ -1,0 +1,133 @@
+"""Token events -> the Responses API's objects: the whole response, and its typed stream events.
+
+Pure translation, no I/O (the route, nanoserve/server/api/openai/responses.py, sends what this
+returns). A stream is, in OpenAI's order, each event with the next `sequence_number`:
+
+    response.created, response.in_progress              the response, status in_progress, no output
+    response.output_item.added, response.content_part.added   the message and its empty text part
+    response.output_text.delta ...                      one per text delta
+    response.output_text.done, response.content_part.done, response.output_item.done
+    response.completed | response.incomplete            the whole response, usage included
+
+A failure after the 200 ends it with `response.failed` (status failed, `error` set). The stream has
+no `[DONE]`: OpenAI's Responses streams end with the last event.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from nanoserve.engine.ids import new_id
+from nanoserve.engine.types import FinishReason, TokenEvent
+from nanoserve.server.api.openai.responses_schemas import (
+    OutputMessage,
+    OutputText,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from nanoserve.server.streaming.sse import sse_event
+
+
+@dataclass
+class Draft:
+    """What a response says before its text is known: its identity and the request's settings,
+    echoed as OpenAI echoes them."""
+
+    id: str
+    model: str
+    request: ResponsesRequest
+    item_id: str = field(default_factory=lambda: f"msg_{new_id()}")
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    def response(self, status: str, output: list[OutputMessage], usage: ResponseUsage | None = None,
+                 error: dict[str, str] | None = None) -> ResponseObject:
+        r = self.request
+        fmt = r.text.format if r.text is not None else None
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return ResponseObject(
+            id=self.id, created_at=self.created_at, status=status, error=error,  # type: ignore[arg-type]
+            incomplete_details=incomplete, instructions=r.instructions,
+            max_output_tokens=r.max_output_tokens, model=self.model, output=output,
+            parallel_tool_calls=r.parallel_tool_calls is not False,
+            previous_response_id=r.previous_response_id, store=r.stored(),
+            temperature=1.0 if r.temperature is None else r.temperature,
+            text={"format": fmt.echo() if fmt is not None else {"type": "text"},
+                  "verbosity": (r.text.verbosity if r.text is not None else None) or "medium"},
+            tool_choice=r.tool_choice if isinstance(r.tool_choice, str) else "auto",
+            top_p=1.0 if r.top_p is None else r.top_p, truncation=r.truncation or "disabled",
+            usage=usage, user=r.user, safety_identifier=r.safety_identifier, metadata=r.metadata or {},
+        )
+
+    def message(self, text: str | None, status: str) -> OutputMessage:
+        content = [] if text is None else [OutputText(text=text)]
+        return OutputMessage(id=self.item_id, status=status, content=content)  # type: ignore[arg-type]
+
+    def finished(self, text: str, last: TokenEvent) -> ResponseObject:
+        """The whole response of a generation that ended with `last`."""
+        status = "incomplete" if last.finish_reason is FinishReason.LENGTH else "completed"
+        return self.response(status, [self.message(text, status)], usage_of(last))
+
+
+def usage_of(event: TokenEvent) -> ResponseUsage:
+    assert event.usage is not None, "the last event of a generation carries usage"
+    u = event.usage
+    return ResponseUsage(input_tokens=u.prompt_tokens, output_tokens=u.generated_tokens,
+                         total_tokens=u.prompt_tokens + u.generated_tokens)
+
+
+class ResponseEvents:
+    """One stream's renderer (a `nanoserve.server.streaming.sse.Render`), and its `error_event`.
+    `on_finished` gets the whole response once the generation has ended (to store it)."""
+
+    def __init__(self, draft: Draft, on_finished: Callable[[ResponseObject], None]) -> None:
+        self.draft = draft
+        self.on_finished = on_finished
+        self.sequence = 0
+        self.started = False
+        self.text: list[str] = []
+        self._part = {"item_id": draft.item_id, "output_index": 0, "content_index": 0}
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return sse_event(data, event=kind)
+
+    def _start(self) -> Iterator[bytes]:
+        self.started = True
+        opening = self.draft.response("in_progress", []).model_dump()
+        yield self._event("response.created", response=opening)
+        yield self._event("response.in_progress", response=opening)
+        item = self.draft.message(None, "in_progress").model_dump()
+        yield self._event("response.output_item.added", output_index=0, item=item)
+        yield self._event("response.content_part.added", **self._part, part=OutputText(text="").model_dump())
+
+    def __call__(self, event: TokenEvent) -> Iterator[bytes]:
+        if not self.started:
+            yield from self._start()
+        if event.text:
+            self.text.append(event.text)
+            yield self._event("response.output_text.delta", **self._part, delta=event.text, logprobs=[])
+        if event.finish_reason is not None:
+            yield from self._finish(event)
+
+    def _finish(self, last: TokenEvent) -> Iterator[bytes]:
+        final = self.draft.finished("".join(self.text), last)
+        message = final.output[0]
+        part = message.content[0]
+        yield self._event("response.output_text.done", **self._part, text=part.text, logprobs=[])
+        yield self._event("response.content_part.done", **self._part, part=part.model_dump())
+        yield self._event("response.output_item.done", output_index=0, item=message.model_dump())
+        kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
+        yield self._event(kind, response=final.model_dump())
+        self.on_finished(final)
+
+    def error_event(self, message: str, code: str) -> bytes:
+        """The end of a stream whose generation failed after the 200: `response.failed` (with the
+        lifecycle's opening events first, when the failure came before any token)."""
+        opening = b"".join(self._start()) if not self.started else b""
+        failed = self.draft.response("failed", [], error={"code": "server_error", "message": message})
+        return opening + self._event("response.failed", response=failed.model_dump())
