@@ -23,6 +23,7 @@ from nanoserve.engine.backends.factory import native_unavailable
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.dtype_probe import SLOW_FACTOR, cpu_matmul_slowdown
+from nanoserve.engine.embeddings import Embeddings
 from nanoserve.engine.grammar import Constraint, Grammars
 from nanoserve.engine.ids import new_id, new_seed
 from nanoserve.engine.inbox import Inbox
@@ -100,6 +101,7 @@ class Engine:
         self._crashed: str | None = None
         self._unfinished = 0  # accepted requests whose final event is not out yet
         self._step_s = 0.05  # recent engine step time (moving average), for expected_wait_s
+        self.embeddings = Embeddings(self.model, cpu_threads, self._wake)  # run between steps
         log.info(
             "engine: %s on %s/%s, %d slots x %d tokens, KV cache %.1f MiB",
             checkpoint.name, self.device, config.dtype, config.max_seqs, self.window,
@@ -143,7 +145,8 @@ class Engine:
         end the rest with an error event and stop the thread."""
         self._draining = True
         end = time.monotonic() + max(0.0, drain_timeout)
-        while self._unfinished > 0 and time.monotonic() < end and self.health():
+        while ((self._unfinished > 0 or self.embeddings.unfinished) and time.monotonic() < end
+               and self.health()):
             await asyncio.sleep(0.01)
         with self._cond:
             self._stop = True
@@ -274,6 +277,9 @@ class Engine:
 
     def _cancel(self, req: Request) -> None:
         req.cancelled = True
+        self._wake()
+
+    def _wake(self) -> None:
         with self._cond:
             self._cond.notify()
 
@@ -306,7 +312,8 @@ class Engine:
 
     def _loop_once(self) -> bool:
         with self._cond:
-            while not self._stop and not self.scheduler.running and not len(self._waiting):
+            while not self._stop and not self.scheduler.running and not len(self._waiting) \
+                    and not len(self.embeddings):
                 self._cond.wait()
             if self._stop:
                 return False
@@ -338,6 +345,8 @@ class Engine:
             if event.finish_reason is not None and event.usage is not None:
                 self._safe(self.observer.on_finish, event.finish_reason, event.usage)
         self._publish(result.events)
+        busy = bool(self.scheduler.running)  # embeddings get a prefill's share of the time
+        self.embeddings.run(self.config.prefill_budget if busy else self.config.idle_prefill_budget)
         return True
 
     def _admit(self, now: float) -> None:
@@ -348,6 +357,7 @@ class Engine:
             self.scheduler.admit(self._waiting.pop_fair(self.scheduler.running), now)
 
     def _fail_remaining(self, message: str) -> None:
+        self.embeddings.fail_all(message)
         result = StepResult()
         self.scheduler.fail_all(message, result)
         with self._cond:

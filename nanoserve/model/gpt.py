@@ -251,6 +251,21 @@ class GPT(nn.Module):
         `slots` (B,) each row's cache slot, and attention covers all cached positions <= its own.
         `last_only` returns only the last position's logits (B, 1, V): all that sampling needs.
         """
+        x = self._blocks(idx, input_pos, cache, slots)  # (B, T, C)
+        if last_only:
+            x = x[:, -1:, :]
+        return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """The final norm's output (B, T, C) for token ids (B, T), positions 0..T-1, no cache: what
+        the output layer reads, and what embeddings pool."""
+        return self.ln_f(self._blocks(idx, None, None, None))  # type: ignore[no-any-return]
+
+    def _blocks(
+        self, idx: torch.Tensor, input_pos: torch.Tensor | None, cache: KVCache | None,
+        slots: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The residual stream (B, T, C) after the last block."""
         b, t = idx.shape
         if input_pos is None:
             if t > self.config.block_size:
@@ -271,9 +286,7 @@ class GPT(nn.Module):
         for i, block in enumerate(self.h):
             layer_cache = cache.layers[i] if cache is not None else None
             x = block(x, input_pos, layer_cache, slots, mask, rope)
-        if last_only:
-            x = x[:, -1:, :]
-        return self.lm_head(self.ln_f(x))  # (B, T, V)
+        return x
 
     def rope_at(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at positions input_pos (B, T), shaped (B, 1, T, hs) to turn every head."""

@@ -1,0 +1,161 @@
+"""`POST /v1/embeddings` through the official `openai` client against a real server (the native
+backend where it is built: embeddings then load torch weights of their own), and in-process on
+the torch backend. Vectors are checked against the model's own mean-pooled final hidden states
+computed here, so the route is shown to return the model's embedding, not merely a vector."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoserve.model.checkpoint import Checkpoint, load_checkpoint
+from nanoserve.model.gpt import GPT
+from nanoserve.server.api.openai.embeddings import MAX_INPUTS
+from tests.server.asgi import asgi_client
+from tests.server.conftest import OPENAI_API_KEY
+
+TEXTS = ["The quick brown fox", "jumps over", "the lazy dog."]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint: Path) -> Iterator[tuple[Checkpoint, GPT]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the test process shares the cores with the server
+    checkpoint = load_checkpoint(tiny_checkpoint)
+    yield checkpoint, checkpoint.build_model("cpu")
+    torch.set_num_threads(threads)
+
+
+def pooled(reference: tuple[Checkpoint, GPT], text: str | list[int]) -> torch.Tensor:
+    """The embedding as defined: the mean over positions of the final norm's output, normalised."""
+    checkpoint, model = reference
+    ids = checkpoint.tokenizer.encode(text) if isinstance(text, str) else text
+    with torch.inference_mode():
+        hidden = model.hidden_states(torch.tensor([ids]))[0]  # (T, C)
+    return F.normalize(hidden.mean(dim=0), dim=0)
+
+
+def as_tensor(vectors: list[Any]) -> torch.Tensor:
+    return torch.tensor([list(v) for v in vectors], dtype=torch.float32)
+
+
+def test_float_embeddings_are_the_models_pooled_hidden_states(
+    openai_client: openai.OpenAI, reference: tuple[Checkpoint, GPT]
+) -> None:
+    checkpoint = reference[0]
+    resp = openai_client.embeddings.create(model="anything", input=TEXTS, encoding_format="float")
+    assert resp.object == "list" and resp.model == checkpoint.name
+    assert [d.index for d in resp.data] == [0, 1, 2]
+    assert all(d.object == "embedding" and len(d.embedding) == checkpoint.config.n_embd for d in resp.data)
+    tokens = sum(len(checkpoint.tokenizer.encode(t)) for t in TEXTS)
+    assert resp.usage.prompt_tokens == resp.usage.total_tokens == tokens
+    got = as_tensor([d.embedding for d in resp.data])
+    want = torch.stack([pooled(reference, t) for t in TEXTS])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got.norm(dim=1), torch.ones(3), rtol=0, atol=1e-5)
+
+
+def test_base64_the_sdk_default_decodes_to_the_same_vectors(openai_client: openai.OpenAI) -> None:
+    # Without encoding_format the SDK asks for base64 and decodes the float32 bytes itself.
+    b64 = openai_client.embeddings.create(model="m", input=TEXTS)
+    floats = openai_client.embeddings.create(model="m", input=TEXTS, encoding_format="float")
+    assert torch.equal(as_tensor([d.embedding for d in b64.data]),
+                       as_tensor([d.embedding for d in floats.data]))
+    raw = httpx.post(openai_client.base_url.join("embeddings").__str__(),
+                     headers={"Authorization": f"Bearer {OPENAI_API_KEY}"},
+                     json={"input": "hi", "encoding_format": "base64"}, timeout=60).json()
+    assert isinstance(raw["data"][0]["embedding"], str)
+
+
+def test_the_same_text_gives_the_same_bits_alone_or_in_a_batch(
+    openai_client: openai.OpenAI, reference: tuple[Checkpoint, GPT]
+) -> None:
+    alone = openai_client.embeddings.create(model="m", input="jumps over", encoding_format="float")
+    batch = openai_client.embeddings.create(model="m", input=["a", "jumps over", "b c", "jumps over"],
+                                            encoding_format="float")
+    assert alone.data[0].embedding == batch.data[1].embedding == batch.data[3].embedding
+    assert batch.data[0].embedding != batch.data[1].embedding
+    # Token ids embed as the text they encode.
+    ids = reference[0].tokenizer.encode("jumps over")
+    by_ids = openai_client.embeddings.create(model="m", input=[ids, ids[:3]], encoding_format="float")
+    assert by_ids.data[0].embedding == alone.data[0].embedding
+    assert by_ids.usage.prompt_tokens == len(ids) + 3
+    torch.testing.assert_close(as_tensor([by_ids.data[1].embedding])[0], pooled(reference, ids[:3]),
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("request_kwargs", "param"), [
+    ({"input": []}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": ["ok", ""]}, "input[1]"),
+    ({"input": [[1, 2], []]}, "input[1]"),
+    ({"input": [1, "a"]}, "input"),
+    ({"input": [-1]}, "input"),
+    ({"input": [10**6]}, "input"),
+    ({"input": "x" * 10_000}, "input"),
+    ({"input": ["x"] * (MAX_INPUTS + 1)}, "input"),
+    ({"input": "x", "dimensions": 7}, "dimensions"),
+    ({"input": "x", "encoding_format": "binary"}, "encoding_format"),
+])
+def test_bad_input_is_a_400_naming_the_field(openai_client: openai.OpenAI, request_kwargs: dict[str, Any],
+                                             param: str) -> None:
+    kwargs = {"model": "m", "encoding_format": "float", **request_kwargs}
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_client.embeddings.create(**kwargs)
+    assert err.value.status_code == 400
+    body: Any = err.value.body
+    assert body["param"] == param, body
+    assert param.split("[")[0] in body["message"]
+
+
+def test_the_models_own_width_is_accepted_as_dimensions(openai_client: openai.OpenAI,
+                                                        reference: tuple[Checkpoint, GPT]) -> None:
+    width = reference[0].config.n_embd
+    resp = openai_client.embeddings.create(model="m", input="x", dimensions=width, user="u1",
+                                           encoding_format="float")
+    assert len(resp.data[0].embedding) == width
+
+
+def test_a_full_batch_through_the_sdk(openai_client: openai.OpenAI) -> None:
+    resp = openai_client.embeddings.create(model="m", input=["abcdefghij" * 6] * MAX_INPUTS)
+    assert len(resp.data) == MAX_INPUTS and resp.data[0].embedding == resp.data[-1].embedding
+    assert resp.usage.prompt_tokens == 60 * MAX_INPUTS
+
+
+async def test_a_large_batch_leaves_the_loop_and_generation_running(tiny_checkpoint: Path) -> None:
+    """The engine thread computes a batch one slice per step: while it is under way /health
+    answers, and a generation runs to its end (it needs a few steps, the batch over a thousand)."""
+    async with asgi_client(tiny_checkpoint) as client:
+        engine = client.app.state.engine
+        embedding = asyncio.create_task(
+            client.post("/v1/embeddings", json={"input": ["abcdefghij" * 6] * MAX_INPUTS}))
+        for _ in range(3000):  # until the engine holds the job (bounded: at most 30 s)
+            if engine.embeddings.unfinished or embedding.done():
+                break
+            await asyncio.sleep(0.01)
+        assert engine.embeddings.unfinished == 1
+        assert (await client.get("/health")).status_code == 200
+        r = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert not embedding.done() and engine.embeddings.unfinished == 1
+        r = await embedding
+        assert r.status_code == 200 and len(r.json()["data"]) == MAX_INPUTS
+
+
+async def test_torch_backend_embeds_with_the_served_model(
+    tiny_checkpoint: Path, reference: tuple[Checkpoint, GPT]
+) -> None:
+    async with asgi_client(tiny_checkpoint, backend="torch") as client:
+        r = await client.post("/v1/embeddings", json={"input": TEXTS, "model": "m"})
+        assert r.status_code == 200, r.text
+        got = as_tensor([d["embedding"] for d in r.json()["data"]])
+        assert client.app.state.engine.embeddings.model is client.app.state.engine.model
+    torch.testing.assert_close(got, torch.stack([pooled(reference, t) for t in TEXTS]), rtol=1e-4, atol=1e-5)
