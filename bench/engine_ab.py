@@ -35,14 +35,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Runs inside the tree under test (PYTHONPATH puts its code first): prints one JSON line.
 CHILD = r"""
-import asyncio, json, sys, tempfile, time, pathlib, torch
-from nanoserve.model.checkpoint import load_checkpoint, save_checkpoint
-from nanoserve.model.config import GPTConfig
-from nanoserve.model.gpt import GPT
-from nanoserve.model.tokenizer import CharTokenizer
-from nanoserve.engine.config import EngineConfig
-from nanoserve.engine.engine import Engine
-from nanoserve.engine.types import SamplingParams
+import asyncio, importlib, importlib.util, json, sys, tempfile, time, pathlib, torch
+# Trees before the nanoserve package kept the same modules under model/ and service/engine/.
+new = importlib.util.find_spec("nanoserve") is not None
+M, E = ("nanoserve.model", "nanoserve.engine") if new else ("model", "service.engine")
+def mod(name): return importlib.import_module(name)
+checkpoint = mod(M + ".checkpoint")
+load_checkpoint, save_checkpoint = checkpoint.load_checkpoint, checkpoint.save_checkpoint
+GPTConfig, GPT = mod(M + ".config").GPTConfig, mod(M + ".gpt").GPT
+CharTokenizer = mod(M + ".tokenizer").CharTokenizer
+EngineConfig, Engine = mod(E + ".config").EngineConfig, mod(E + ".engine").Engine
+SamplingParams = mod(E + ".types").SamplingParams
 batches, tokens, threads = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 torch.manual_seed(0)
 tok = CharTokenizer.train("".join(chr(c) for c in range(32, 127)))
@@ -76,7 +79,10 @@ def checkout(revision: str, scratch: Path) -> Path:
     subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(tree), revision], cwd=REPO,
                    check=True)
     library = build(revision, scratch)
-    shutil.copy(library, tree / "service" / "engine" / "native" / f"_decode{EXTENSION_SUFFIXES[0]}")
+    # The second: revisions before the nanoserve package.
+    homes = (tree / "nanoserve" / "engine" / "native", tree / "service" / "engine" / "native")
+    native = next(d for d in homes if d.is_dir())
+    shutil.copy(library, native / f"_decode{EXTENSION_SUFFIXES[0]}")
     return tree
 
 

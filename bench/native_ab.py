@@ -41,6 +41,15 @@ from nanoserve.model.gpt import GPT
 
 REPO = Path(__file__).resolve().parents[1]
 NATIVE = "nanoserve/engine/native"
+NATIVE_BEFORE_THE_PACKAGE = "service/engine/native"  # where revisions before nanoserve/ keep it
+
+
+def native_dir(revision: str) -> str:
+    """The native sources' folder at `revision` (WORKTREE: on disk)."""
+    if revision == "WORKTREE":
+        return NATIVE
+    found = subprocess.run(["git", "cat-file", "-e", f"{revision}:{NATIVE}"], cwd=REPO, capture_output=True)
+    return NATIVE if found.returncode == 0 else NATIVE_BEFORE_THE_PACKAGE
 
 
 def build(revision: str, out: Path) -> Path:
@@ -51,10 +60,11 @@ def build(revision: str, out: Path) -> Path:
             if f.suffix in (".c", ".h", ".inc"):
                 (src / f.name).write_bytes(f.read_bytes())
     else:
-        names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{NATIVE}"], cwd=REPO,
+        native = native_dir(revision)
+        names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{native}"], cwd=REPO,
                                check=True, capture_output=True, text=True).stdout.split()
         for name in (n for n in names if n.endswith((".c", ".h", ".inc"))):
-            blob = subprocess.run(["git", "show", f"{revision}:{NATIVE}/{name}"], cwd=REPO, check=True,
+            blob = subprocess.run(["git", "show", f"{revision}:{native}/{name}"], cwd=REPO, check=True,
                                   capture_output=True).stdout
             (src / name).write_bytes(blob)
     lib = src / f"{revision}.so"

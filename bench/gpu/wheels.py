@@ -29,7 +29,7 @@ from bench.gpu.check import make_plan
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 PROJECT = "nanoserve"
-LOCAL = ("service", "model", "bench", "tests")  # the repository's own packages
+LOCAL = ("nanoserve", "bench", "tests")  # the repository's own packages
 EXTRA_ROOTS = ("httptools", "pytest-asyncio", "pytest-timeout")
 # The device's interpreter, for environment markers.
 MARKERS = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",

@@ -87,6 +87,46 @@ def _bf16_inputs(model: torch.nn.Module, active: bool) -> Iterator[list[Any]]:
             hook.remove()
 
 
+# Two float32 computations of the same logits in another order are float32 rounding apart. Where the
+# reference's own distance from the exact (float64) logits is known, the bound is derived from it
+# (`_float32_apart`); this is the least allowed, and the bound where no float64 run is made.
+FLOAT32_TOL = 2e-5
+# A bf16 rounding (of a cached key, of a linear layer's input) that a float32 rounding difference
+# flips moves that value by one bf16 unit (2^-8 of it): bf16's own error, which the logits of these
+# sharp test models (magnitudes up to ~13) carry as at most a few 1e-2.
+BF16_FLIP_TOL = 3e-2
+
+
+def _chunked_logits(
+    model: GPT, cache: SpanKVCache, work: list[tuple[int, int, int]], tokens: list[int]
+) -> torch.Tensor:
+    """The model's logits for `work`'s chunks, (slot, first position, tokens) each, fed in order
+    over `cache` (which `tokens` follow); one row per token."""
+    out, at = [], 0
+    for slot, start, n in work:
+        cache.prepare([slot], [start + n])
+        toks = torch.tensor(tokens[at : at + n]).view(1, -1)
+        pos = torch.arange(start, start + n).view(1, -1)
+        out.append(model(toks, input_pos=pos, cache=cache, slots=torch.tensor([slot]))[0])
+        at += n
+    return torch.cat(out)
+
+
+def _float32_apart(
+    model: GPT, lengths: dict[int, int], work: list[tuple[int, int, int]], tokens: list[int],
+    want: torch.Tensor,
+) -> float:
+    """How far another float32 computation of `want` may be from it. The reference is as far from
+    the exact logits (the model in float64) as float32 rounding through these layers takes it; the
+    native step, summing the same products in another order, is about as far on its own side, and
+    its C level, which rounds every product before adding it, up to twice that: 4x the reference's
+    measured error, never less than FLOAT32_TOL. (On AMD hosts torch's kernels happen to round
+    close to the native ones; Intel's oneDNN kernels sum in other orders, up to 2.3x further.)"""
+    exact_model = copy.deepcopy(model).double()
+    exact = _chunked_logits(exact_model, _prefilled(exact_model, 8, lengths, torch.float64), work, tokens)
+    return max(FLOAT32_TOL, 4 * float((want.double() - exact).abs().max()))
+
+
 def _prefilled(
     model: GPT, slots: int, lengths: dict[int, int], dtype: torch.dtype = torch.float32
 ) -> SpanKVCache:
@@ -124,14 +164,14 @@ def test_native_step_matches_the_torch_decode_step(shape: str, rows: int, openmp
             torch_cache.prepare(slots, [p + 1 for p in positions])
             want = reference(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots))
             got = native(tokens, positions, slots)
-            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+            torch.testing.assert_close(got, want, rtol=FLOAT32_TOL, atol=FLOAT32_TOL)
             positions = [p + 1 for p in positions]
     finally:
         torch.set_num_threads(1)
     # The keys and values it wrote are the torch path's, to rounding.
     for theirs, ours in zip(torch_cache.layers, native_cache.layers, strict=True):
-        torch.testing.assert_close(ours.k, theirs.k, rtol=2e-5, atol=2e-5)  # type: ignore[union-attr]
-        torch.testing.assert_close(ours.v, theirs.v, rtol=2e-5, atol=2e-5)  # type: ignore[union-attr]
+        torch.testing.assert_close(ours.k, theirs.k, rtol=FLOAT32_TOL, atol=FLOAT32_TOL)  # type: ignore[union-attr]
+        torch.testing.assert_close(ours.v, theirs.v, rtol=FLOAT32_TOL, atol=FLOAT32_TOL)  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -148,7 +188,7 @@ def test_an_untied_output_layer_reads_its_own_weights_and_the_embeddings_theirs(
     torch_cache.prepare(slots, [p + 1 for p in positions])
     step = TorchDecodeStep(model, torch_cache)
     want = step(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots))
-    torch.testing.assert_close(native(tokens, positions, slots), want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(native(tokens, positions, slots), want, rtol=FLOAT32_TOL, atol=FLOAT32_TOL)
 
 
 @pytest.mark.parametrize("shape", sorted(ALL_SHAPES))
@@ -179,18 +219,13 @@ def test_prompt_chunks_and_decode_rows_in_one_call_match_the_model(
     native = NativeStep(native_model, native_cache, max_threads=2, max_rows=32, max_isa=level)
     gen = torch.Generator().manual_seed(3)
     work = [(2, 10, 1), (0, 0, 7), (5, 12, 5)]  # (slot, first position, tokens)
-    tokens, positions, slots, want = [], [], [], []
+    tokens, positions, slots = [], [], []
     for slot, start, n in work:
-        toks = torch.randint(0, model.config.vocab_size, (n,), generator=gen)
-        torch_cache.prepare([slot], [start + n])
-        pos = torch.arange(start, start + n)
-        row_slot = torch.tensor([slot])
-        with _bf16_inputs(model, tiles):
-            out = model(toks.view(1, -1), input_pos=pos.view(1, -1), cache=torch_cache, slots=row_slot)
-        want.append(out[0])
-        tokens += toks.tolist()
-        positions += pos.tolist()
+        tokens += torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist()
+        positions += list(range(start, start + n))
         slots += [slot] * n
+    with _bf16_inputs(model, tiles):
+        want = _chunked_logits(model, torch_cache, work, tokens)
     torch.set_num_threads(2)
     try:
         every = native(tokens, positions, slots)
@@ -200,12 +235,15 @@ def test_prompt_chunks_and_decode_rows_in_one_call_match_the_model(
     # On the C level (products rounded before they are added) and the tile levels (inputs rounded to
     # bf16), a bf16 model's float32 rounding difference now and then flips a bf16 rounding (of a
     # cached key, of a linear layer's input): bf16's error, in the rows after it.
-    tol = 3e-2 if dtype == torch.bfloat16 and level not in ("avx2", "avx512") else 2e-5
-    torch.testing.assert_close(every, torch.cat(want), rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:
+        tol = BF16_FLIP_TOL if level not in ("avx2", "avx512") else FLOAT32_TOL
+    else:
+        tol = _float32_apart(model, lengths, work, tokens, want)
+    torch.testing.assert_close(every, want, rtol=tol, atol=tol)
     assert torch.equal(last, every[[0, 7, 12]])
     for theirs, ours in zip(torch_cache.layers, native_cache.layers, strict=True):
         # Keys and values written in the cache's dtype; a bf16 rounding may land one unit apart.
-        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        tol = FLOAT32_TOL if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(ours.k, theirs.k, rtol=tol, atol=tol)  # type: ignore[union-attr]
         torch.testing.assert_close(ours.v, theirs.v, rtol=tol, atol=tol)  # type: ignore[union-attr]
 
@@ -531,8 +569,8 @@ def test_every_kernel_level_computes_the_same_logits(shape: str, dtype: torch.dt
 @torch.no_grad()
 def test_the_two_tile_levels_compute_the_same_function(shape: str) -> None:
     # AVX512-BF16 and AMX take the same bf16-rounded inputs and exact bf16 products, summed in
-    # another order: float32 rounding apart. A float32 cache here: in a bf16 one such a difference
-    # can flip a stored key's bf16 rounding, which is bf16's error, not the kernels'.
+    # another order: float32 rounding apart, until a difference flips the bf16 rounding of a later
+    # linear layer's input. A float32 cache here: in a bf16 one a stored key's rounding flips too.
     model = _model(ALL_SHAPES[shape]).to(torch.bfloat16)
     rows = 40
     lengths = {s: 1 + (7 * s) % 40 for s in range(rows)}
@@ -548,7 +586,14 @@ def test_the_two_tile_levels_compute_the_same_function(shape: str) -> None:
         tiles = native(tokens, positions, slots)
     finally:
         torch.set_num_threads(1)
-    torch.testing.assert_close(dot, tiles, rtol=2e-5, atol=2e-5)
+    # Where the float32 difference flips none of a row's bf16 roundings, the row is float32 rounding
+    # apart; where it flips one, the row carries bf16's error from that layer on (BF16_FLIP_TOL). A
+    # flip needs a float32 difference to straddle a bf16 rounding boundary, so it is rare (2 of 40
+    # rows in the shapes that have any, on a Sapphire Rapids host); a kernel error shows in every row.
+    apart = (dot - tiles).abs().amax(dim=1)
+    flipped = int((apart > FLOAT32_TOL).sum())
+    assert flipped <= rows // 4, f"{flipped} of {rows} rows differ by more than float32 rounding"
+    torch.testing.assert_close(dot, tiles, rtol=BF16_FLIP_TOL, atol=BF16_FLIP_TOL)
 
 
 @pytest.mark.parametrize("shape", sorted(ALL_SHAPES))

@@ -108,6 +108,23 @@ def test_bad_flags_in_process(case: str, tmp_path: Path, capsys: pytest.CaptureF
     _check_one_error_line(code, capsys.readouterr().err, message)
 
 
+def test_a_serving_install_without_the_training_extra_is_told_which_to_install(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """matplotlib and tqdm are the `train` extra's, not the server's: without them a run stops before
+    it starts (the loss plot is drawn last) and names the extra."""
+    import importlib.util
+
+    corpus = make_corpus(tmp_path / "c.txt", sentences=60)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("matplotlib", "tqdm") else find_spec(name, *a))
+    code = main(["train", str(corpus), "--out", str(tmp_path / "out"), *TINY[:-1]])
+    _check_one_error_line(code, capsys.readouterr().err, "needs matplotlib, tqdm; install the training "
+                          "extra: pip install 'nanoserve[train]'")
+    assert not (tmp_path / "out").exists()
+
+
 def test_train_help_lists_the_options(results) -> None:  # type: ignore[no-untyped-def]
     r = results["help"]
     assert r.returncode == 0 and r.stderr == ""

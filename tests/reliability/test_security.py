@@ -158,7 +158,7 @@ def test_untrusted_input_is_never_echoed_as_html(client: httpx.Client) -> None:
     assert page.headers.get("x-content-type-options") == "nosniff"
 
 
-STATIC = REPO_ROOT / "service" / "static"
+STATIC = REPO_ROOT / "nanoserve" / "server" / "static"
 HTML_SINKS = re.compile(r"\.(innerHTML|outerHTML)\b|insertAdjacentHTML|document\.write|\beval\s*\(|"
                         r"new\s+Function\s*\(|createContextualFragment|DOMParser")
 
@@ -182,8 +182,7 @@ def test_checkpoints_are_never_unpickled() -> None:
                             r"\bjoblib\.load\(")
     found = [
         f"{path.relative_to(REPO_ROOT)}:{n}"
-        for package in ("model", "service")
-        for path in (REPO_ROOT / package).rglob("*.py")
+        for path in (REPO_ROOT / "nanoserve").rglob("*.py")
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if unpickling.search(line)
     ]

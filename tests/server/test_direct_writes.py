@@ -176,3 +176,24 @@ async def test_a_slow_reader_gets_every_event_in_order_while_back_pressure_sends
     # Some events went out directly, and the ones that met a full socket went through ASGI.
     print(f"{len(written)} of {tokens - 1} mid-stream events written directly")
     assert 0 < len(written) < tokens - 1
+
+
+def test_the_uvicorn_installed_has_every_private_member_the_protocol_uses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The protocol subclasses uvicorn's and uses members outside its public API; pyproject.toml pins
+    the uvicorn releases it was tested on. A release that drops one is named here, not met as an
+    AttributeError mid-request."""
+    from nanoserve.server.http import protocol
+
+    missing = protocol.missing_uvicorn_members()
+    assert not missing, (
+        f"uvicorn {uvicorn.__version__} lacks {missing}, which nanoserve/server/http/protocol.py uses: "
+        "install the uvicorn range pyproject.toml pins, or port the protocol"
+    )
+    # The check sees a member that is not there, of either kind.
+    monkeypatch.setattr(protocol, "PROTOCOL_METHODS", (*protocol.PROTOCOL_METHODS, "_gone_in_a_release"))
+    monkeypatch.setattr(protocol, "CYCLE_ATTRIBUTES", ("write_paused_flag",))
+    assert protocol.missing_uvicorn_members() == [
+        "HttpToolsProtocol._gone_in_a_release", "RequestResponseCycle.write_paused_flag"
+    ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -121,7 +122,19 @@ def run_train(args: argparse.Namespace) -> int:
     return code
 
 
+def _missing_extras(progress: bool) -> list[str]:
+    """The `train` extra's packages this run needs and the environment lacks (the server needs
+    neither, so a serving install leaves them out)."""
+    wanted = ["matplotlib", *(["tqdm"] if progress else [])]
+    return [name for name in wanted if importlib.util.find_spec(name) is None]
+
+
 def _train_and_report(args: argparse.Namespace) -> int:
+    missing = _missing_extras(progress=not args.no_progress)
+    if missing:  # before any work: the plot is drawn at the very end of a run
+        print(f"nanoserve train: error: needs {', '.join(missing)}; install the training extra: "
+              "pip install 'nanoserve[train]'", file=sys.stderr)
+        return 2
     try:
         prov = train(_config_from_args(args))
     except TrainInputError as e:

@@ -96,6 +96,37 @@ def raw_error(status: int, message: str, code: str, headers: tuple[bytes, ...] =
     return b"".join(head) + body
 
 
+# What this protocol uses of uvicorn beyond its public API: methods of HttpToolsProtocol it calls or
+# overrides, attributes of the protocol and of its RequestResponseCycle it reads. uvicorn may change
+# any of them in a release, so pyproject.toml pins the range this was tested on and
+# `missing_uvicorn_members` (run by tests/server/test_direct_writes.py) names any that disappear.
+PROTOCOL_METHODS = (
+    "_start_asgi_task", "_unset_keepalive_if_required", "_should_upgrade", "handle_websocket_upgrade",
+    "timeout_keep_alive_handler", "on_headers_complete", "on_body", "on_message_complete",
+    "on_response_complete", "shutdown", "connection_made", "connection_lost",
+)
+PROTOCOL_ATTRIBUTES = ("cycle", "flow", "parser", "server_state", "transport", "loop")
+CYCLE_ATTRIBUTES = (
+    "scope", "transport", "flow", "message_event", "disconnected", "response_started",
+    "response_complete", "chunked_encoding", "more_body",
+)
+
+
+def missing_uvicorn_members() -> list[str]:
+    """The members this protocol relies on that the installed uvicorn lacks (none when it fits)."""
+    import inspect  # only for this check
+
+    def assigned(cls: type, names: tuple[str, ...]) -> list[str]:
+        source = inspect.getsource(cls.__init__)
+        return [f"{cls.__name__}.{n}" for n in names
+                if f"self.{n} =" not in source and f"self.{n}:" not in source]
+
+    missing = [f"HttpToolsProtocol.{n}" for n in PROTOCOL_METHODS
+               if not callable(getattr(HttpToolsProtocol, n, None))]
+    missing += assigned(HttpToolsProtocol, PROTOCOL_ATTRIBUTES)
+    return missing + assigned(RequestResponseCycle, CYCLE_ATTRIBUTES)
+
+
 def _peer(client: tuple[str, int] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "a client"
 
