@@ -13,9 +13,8 @@ def freeze_startup_heap() -> bool:
     objects) out of the cyclic garbage collector's reach; returns False if already frozen.
 
     A full collection walks every tracked object while holding the GIL, so it stalls the engine
-    thread and every stream: measured 160-200 ms in this server during the first seconds of load
-    (the first 32 streams' time to first token 250-310 ms instead of ~60-100), 1-2 ms once
-    frozen. Reference counting still frees these objects; only cycles among them would wait
+    thread and every stream (160-200 ms here before freezing; the levers table of
+    docs/performance.md has the measurement). Reference counting still frees these objects; only cycles among them would wait
     for `gc.unfreeze()` (at shutdown). What is garbage already goes first.
     """
     if gc.get_freeze_count():

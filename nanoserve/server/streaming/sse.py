@@ -53,8 +53,8 @@ def sse_event(data: str | Mapping[str, Any] | BaseModel, event: str | None = Non
 class EventTemplate:
     """An event rendered once with one string field left open, then filled per call: a streamed
     chunk whose envelope (id, model, created, ...) is the same all stream long costs a JSON
-    encoding of its text instead of building and dumping the models (OpenAI chat chunks: 5.4 ->
-    ~0.6 us a token). `render(text)` gives the full event; the result is its very bytes for any
+    encoding of its text instead of building and dumping the models (about a tenth of the cost:
+    docs/performance.md, levers). `render(text)` gives the full event; the result is its very bytes for any
     text (the field is encoded by the same serializer; tests compare them)."""
 
     _SLOT = "\x00nanoserve-slot\x00"  # a string no caller renders: its JSON is found exactly once
@@ -181,8 +181,7 @@ class EventStreamResponse(StreamingResponse):
         # the server's, middlewares' and router's coroutines, which each token's wake-up would
         # pass through. Starlette starts it with a disconnect listener in an anyio task group;
         # two plain tasks do the same (the listener cancels the body when the client goes away)
-        # for 44-136 us less of the event loop's CPU a request (32 clients; 1- to 64-token
-        # requests, docs/performance.md).
+        # for less of the event loop's CPU a request (docs/performance.md, levers).
         body = asyncio.ensure_future(self.stream_response(send))
 
         async def cancel_on_disconnect() -> None:
