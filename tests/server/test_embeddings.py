@@ -6,6 +6,8 @@ computed here, so the route is shown to return the model's embedding, not merely
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from nanoserve.model.gpt import GPT
 from nanoserve.server.api.openai.embeddings import MAX_INPUTS
 from tests.server.asgi import asgi_client
 from tests.server.conftest import OPENAI_API_KEY
+from tests.server.doc_text import blocks
+from tests.server.server import ServerProcess
 
 TEXTS = ["The quick brown fox", "jumps over", "the lazy dog."]
 
@@ -159,3 +163,17 @@ async def test_torch_backend_embeds_with_the_served_model(
         got = as_tensor([d["embedding"] for d in r.json()["data"]])
         assert client.app.state.engine.embeddings.model is client.app.state.engine.model
     torch.testing.assert_close(got, torch.stack([pooled(reference, t) for t in TEXTS]), rtol=1e-4, atol=1e-5)
+
+
+def test_the_docs_example_runs(openai_server: ServerProcess) -> None:
+    api = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text(encoding="utf-8")
+    section = api.split("\n### Embeddings\n", 1)[1].split("\n## ", 1)[0]
+    code = blocks(section, "python")[0]
+    code = code.replace("http://127.0.0.1:8000/v1", openai_server.base_url + "/v1")
+    code = code.replace("unused-unless-the-server-sets-keys", OPENAI_API_KEY)
+    assert openai_server.base_url in code and OPENAI_API_KEY in code
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "docs/api.md", "exec"), {})  # our own doc's example
+    width, cosine = printed.getvalue().split()
+    assert int(width) > 0 and -1.0 <= float(cosine) <= 1.0 + 1e-6
