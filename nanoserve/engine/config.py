@@ -1,9 +1,18 @@
-"""Engine settings: how much to batch, queue, cache and crop. Model shape comes from the checkpoint."""
+"""Engine settings: how much to batch, queue, cache and crop. Model shape comes from the checkpoint.
+
+Each field is declared once, here: its default, and in its metadata a `Rule` (the help text, the
+allowed choices or bounds). `EngineConfig` checks every value against its rule (`check_value`);
+the server builds its `--flags` and `NANOSERVE_*` variables from the same fields and rules
+(nanoserve/server/settings.py), so both accept exactly the same values.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+import re
+import types
+from dataclasses import asdict, dataclass, field, fields
+from functools import cache
+from typing import Any, get_type_hints
 
 import torch
 
@@ -18,15 +27,58 @@ TILE_ISAS = ("avx512bf16", "amx")
 QUANTIZE = ("none", "int8")
 _ISAS = ("auto", *NATIVE_ISAS)
 BACKENDS = ("auto", "native", "torch")
+DEVICE_FORM = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a field accepts, besides its type, and what it is for (the `--help` text)."""
+
+    help: str
+    choices: tuple[str, ...] = ()
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    form: re.Pattern[str] | None = None  # the whole value must match
+    form_help: str = ""  # what `form` accepts, in words
+
+    def problem(self, value: Any) -> str | None:
+        """Why `value` breaks this rule ("must be ..."), or None."""
+        if value is None:
+            return None
+        if self.choices and value not in self.choices:
+            return f"must be one of {', '.join(self.choices)}"
+        if self.form is not None and not self.form.fullmatch(value):
+            return f"must be {self.form_help}"
+        if self.ge is not None and value < self.ge:
+            return f"must be at least {self.ge:g}"
+        if self.gt is not None and not value > self.gt:
+            return f"must be more than {self.gt:g}"
+        if self.le is not None and value > self.le:
+            return f"must be at most {self.le:g}"
+        return None
+
+
+class ConfigError(ValueError):
+    """A value an engine field does not accept: `field` names it, `reason` says what it must be."""
+
+    def __init__(self, field_name: str, reason: str, value: Any) -> None:
+        super().__init__(f"{field_name} {reason}, got {value!r}")
+        self.field = field_name
+        self.reason = reason
+
+
+def setting(default: Any, help: str, **rule: Any) -> Any:
+    """A field with its default and its `Rule` (in the field's metadata, under "rule")."""
+    return field(default=default, metadata={"rule": Rule(help, **rule)})
 
 
 def _check_device(device: str) -> None:
-    """Raise ValueError unless `device` names a device this process can use (before any load)."""
+    """Raise ValueError unless `device` (auto, cpu, cuda or cuda:N) names a device this process
+    can use (before any load)."""
     if device in ("auto", "cpu"):
         return
     index = device.removeprefix("cuda:") if device.startswith("cuda:") else None
-    if device != "cuda" and not (index is not None and index.isascii() and index.isdigit()):
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
     if not torch.cuda.is_available():
         built = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
         reason = "no CUDA device is visible" if built else "this PyTorch build has no CUDA support"
@@ -38,68 +90,104 @@ def _check_device(device: str) -> None:
 
 @dataclass
 class EngineConfig:
-    device: str = "auto"  # auto|cpu|cuda
-    dtype: str = "float32"  # float32|bfloat16|float16 (fp16 GPU only)
+    device: str = setting("auto", "auto|cpu|cuda[:N]", form=DEVICE_FORM,
+                          form_help="auto, cpu, cuda or cuda:N")
+    dtype: str = setting("float32", "float32|bfloat16|float16 (float16 on a GPU only).",
+                         choices=tuple(_DTYPES))
     # The KV cache's element type: "auto" (the model's dtype), float32, bfloat16 or float16 (GPU).
     # bfloat16 halves the cache (twice the slots in the same memory) and what a decode step reads
     # attending; keys and values then carry bf16 rounding (the weights keep their dtype).
-    kv_cache_dtype: str = "auto"
-    max_seqs: int = 16  # KV slots = max concurrent running sequences
-    max_queue: int = 64  # waiting requests beyond which generate() raises Overloaded
+    kv_cache_dtype: str = setting(
+        "auto", "KV cache element type: auto (the model's dtype), float32, bfloat16 (half the memory; "
+        "keys and values rounded to bf16), float16 (GPU only).", choices=("auto", *_DTYPES))
+    max_seqs: int = setting(16, "KV slots = max concurrent sequences.", ge=1, le=4096)
+    max_queue: int = setting(64, "Waiting requests beyond which new ones get 429 (generate() raises "
+                             "Overloaded).", ge=1)
     # Waiting requests one client (generate's `client`) may have; beyond, Overloaded. None: half
     # of max_queue, so one caller cannot fill the queue and turn everyone else away.
-    max_waiting_per_client: int | None = None
+    max_waiting_per_client: int | None = setting(
+        None, "Waiting requests one client may have; beyond, 429 (default: half of max_queue). A client "
+        "is its API key when keys are set, else its address (or client_id_header).", ge=1)
     # Prompt tokens prefilled per step (chunked prefill). Every decoding stream waits for the
     # step's prompt chunks: at 32 streams through HTTP (124M bf16, 25-token prompts, alternating
     # runs) 256 -> 96 took inter-token p99 from 133-140 to 59-68 ms and TTFT p50 from 176-205 to
     # 120-163 ms at the same tokens/s, TTFT p99 414-449 -> 552-599 ms (a wave of prompts takes more
     # steps). A long prompt alone takes more, smaller steps: raise it for long-prompt workloads.
-    prefill_budget: int = 96
+    prefill_budget: int = setting(
+        96, "Prompt tokens prefilled per engine step (smaller: steadier streams; a long prompt takes "
+        "more steps).", ge=1)
     # Prompt tokens per step when no sequence is decoding (still cut into prefill_budget-sized
     # chunks): nobody's next token waits on such a step, so a burst of prompts is prefilled in one
     # forward, not several (through HTTP at 32 streams, 2048 and 256 measured alike).
-    idle_prefill_budget: int = 2048
+    idle_prefill_budget: int = setting(
+        2048, "Prompt tokens prefilled per engine step while no sequence is decoding.", ge=1)
     # The idle budget also applies while prompts outnumber decoding rows by this ratio (TGI's
     # waiting_served_ratio, its default): a wave of requests arriving together is prefilled in one
     # forward instead of being interleaved in prefill_budget-sized chunks with the decode steps of
     # its first few members, which made the wave's last first token (TTFT p99) wait for those
     # steps and those members' next tokens wait for the chunks (inter-token p99).
-    waiting_served_ratio: float = 1.2
-    crop_policy: str = "shift"  # shift (amortized, default) | sliding (exactly nanoGPT)
-    shift_keep: int | None = None  # tokens kept on a context shift (default: window // 2)
-    reject_long_prompts: bool = False  # True: PromptTooLong instead of cropping
+    waiting_served_ratio: float = setting(
+        1.2, "The idle prefill budget also applies while requests prefilling outnumber those decoding "
+        "by this ratio (TGI's option): a wave of prompts is prefilled in one step.", gt=0)
+    # shift (amortized, default) | sliding (exactly nanoGPT)
+    crop_policy: str = setting("shift", "Past the window: shift (amortized) or sliding (nanoGPT's).",
+                               choices=CROP_POLICIES)
+    shift_keep: int | None = setting(None, "Tokens kept on a context shift (default: half the window).",
+                                     ge=1)
+    # True: PromptTooLong instead of cropping
+    reject_long_prompts: bool = setting(False, "422 instead of cropping over-long prompts.")
     # Context window per sequence (<= the model's block_size; None = block_size). The KV cache is
     # max_seqs x max_context tokens, so this bounds its memory for long-context models.
-    max_context: int | None = None
-    deterministic: bool = False  # every row computed alone: bit-identical alone vs batched
+    max_context: int | None = setting(
+        None, "Tokens per sequence, prompt and output (default: the model's window); the KV cache "
+        "holds max_seqs x max_context tokens.", ge=2)
+    # Every row computed alone: bit-identical alone vs batched.
+    deterministic: bool = setting(False, "Same tokens alone or batched (slower).")
     # Reuse the KV cache a finished sequence leaves in its slot for a prompt that starts with the
     # same tokens (prefix_cache.py): a chat turn prefills only what is new. Off in deterministic
     # mode on a backend that is not batch-invariant (the torch one).
-    prefix_cache: bool = True
+    prefix_cache: bool = setting(
+        True, "Reuse the KV cache a finished request leaves in its slot for a prompt that starts with "
+        "the same tokens (a chat turn prefills only what is new).")
     # CPU threads the engine thread may use (None: OMP_NUM_THREADS, else every CPU this process
     # may run on). Other threads stay single-threaded (see threads.py).
-    cpu_threads: int | None = None
-    compile: bool = False  # torch.compile the decode step (warm-up compiles it)
+    cpu_threads: int | None = setting(
+        None, "CPU threads for the model (default: OMP_NUM_THREADS, else every CPU the process may "
+        "use); the rest of the server stays on one.", ge=1)
+    compile: bool = setting(False, "torch.compile the decode step at warm-up.")
     # CPU: run linear layers through oneDNN with weights reordered once (see packed_linear.py),
     # where torch runs the forwards (the native step off or unavailable).
-    packed_linear: bool = True
+    packed_linear: bool = setting(
+        True, "Where torch runs the forwards on a CPU: linear layers through oneDNN with their weights "
+        "reordered once.")
     # Which backend computes (backends/factory.py): "auto" (native where it can run: a CPU, a
     # float32 or bfloat16 model, the library built; else torch), "native" (an error where it
     # cannot run) or "torch" (torch's kernels, any device).
-    backend: str = "auto"
+    backend: str = setting(
+        "auto", "What computes: auto (native where it can run: CPU, float32/bfloat16, library built; "
+        "else torch), native (an error where it cannot run), torch (any device).", choices=BACKENDS)
     # The native step's kernels, at most this level: "auto" (the best the CPU has) or one of c,
     # avx2, avx512, avx512bf16, amx (NATIVE_ISAS). Up to avx512 a bfloat16 model keeps its linear
     # layers' inputs in float32 (the same results on any x86 CPU); avx512bf16 and amx round them
     # to bf16 (bf16 dot products: AMD Zen 4/5 and Intel Cooper Lake, or Intel's AMX).
-    native_isa: str = "auto"
+    native_isa: str = setting(
+        "auto", "The native step's kernels, at most: auto (the best this CPU has), c, avx2, avx512, "
+        "avx512bf16, amx. avx512bf16 and amx round a bfloat16 model's linear inputs to bf16; up to "
+        "avx512 they stay float32, the same results on any x86 CPU.", choices=_ISAS)
     # The linear layers' weights as loaded ("none") or quantized to int8 ("int8": the native
     # backend's int8 kernels; embeddings, norms and the KV cache keep `dtype`). CPU only.
-    quantize: str = "none"
+    quantize: str = setting(
+        "none", "Linear layers' weights: none (as loaded, in dtype) or int8 (symmetric, a scale per "
+        "output feature, on the native CPU backend's int8 kernels; embeddings and KV cache keep dtype).",
+        choices=QUANTIZE)
     # A float32 model's output layer on the native backend, screened in bf16 where a step's rows all
     # read only their k largest logits (greedy picks, top-k draws) and the CPU has AVX512-BF16: the
     # same tokens and the same k largest logits, bit for bit (native/head_screen.inc). Costs a
     # row-major float32 and a bf16 copy of the output layer's weights.
-    screen_head: bool = True
+    screen_head: bool = setting(
+        True, "A float32 model's output layer on the native backend computed in bf16 and only the logits "
+        "that could be a greedy or top-k row's k largest again in float32 (CPUs with AVX512-BF16): the "
+        "same tokens, bit for bit; holds two more copies of the output layer.")
 
     def client_queue_share(self) -> int:
         """Waiting requests one client may have (max_waiting_per_client, default half the queue)."""
@@ -108,41 +196,14 @@ class EngineConfig:
         return max(1, self.max_queue // 2)
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            check_value(f.name, getattr(self, f.name))
+        # What one field cannot say alone: the device and the combinations.
         _check_device(self.device)
-        if self.native_isa not in _ISAS:
-            raise ValueError(f"native_isa must be one of {', '.join(_ISAS)}, got {self.native_isa!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.dtype == "float16" and self.resolved_device() == "cpu":
             raise ValueError("dtype float16 is only supported on a GPU; use bfloat16 or float32 on CPU")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be auto or one of {', '.join(_DTYPES)}, got {self.kv_cache_dtype!r}"
-            )
         if self.kv_cache_dtype == "float16" and self.resolved_device() == "cpu":
             raise ValueError("kv_cache_dtype float16 is only supported on a GPU; use bfloat16 on CPU")
-        for name in ("max_seqs", "max_queue", "prefill_budget", "idle_prefill_budget"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not self.waiting_served_ratio > 0:
-            raise ValueError(f"waiting_served_ratio must be positive, got {self.waiting_served_ratio!r}")
-        if self.crop_policy not in CROP_POLICIES:
-            raise ValueError(f"crop_policy must be shift or sliding, got {self.crop_policy!r}")
-        if self.max_context is not None and self.max_context < 2:
-            raise ValueError(f"max_context must be at least 2, got {self.max_context!r}")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be a positive integer, got {self.cpu_threads!r}")
-        if self.max_waiting_per_client is not None and self.max_waiting_per_client < 1:
-            raise ValueError(
-                f"max_waiting_per_client must be a positive integer, got {self.max_waiting_per_client!r}"
-            )
-        if self.shift_keep is not None and self.shift_keep < 1:
-            raise ValueError(f"shift_keep must be a positive integer, got {self.shift_keep!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.quantize not in QUANTIZE:
-            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {self.quantize!r}")
         if self.quantize == "int8" and self.backend == "torch":
             raise ValueError("quantize int8 runs on the native backend only, not backend torch")
         if self.quantize == "int8" and self.resolved_device() != "cpu":
@@ -171,3 +232,37 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@cache
+def rules() -> dict[str, tuple[Any, Rule]]:
+    """Every EngineConfig field: its type (int | None, ...) and its rule, in declaration order."""
+    hints = get_type_hints(EngineConfig)
+    return {f.name: (hints[f.name], f.metadata["rule"]) for f in fields(EngineConfig)}
+
+
+def check_value(name: str, value: Any) -> None:
+    """Raise ConfigError unless EngineConfig's field `name` accepts `value` (its type and rule)."""
+    kind, rule = rules()[name]
+    if not _has_type(kind, value):
+        raise ConfigError(name, f"must be {_type_name(kind)}", value)
+    reason = rule.problem(value)
+    if reason is not None:
+        raise ConfigError(name, reason, value)
+
+
+def _has_type(kind: Any, value: Any) -> bool:
+    options = kind.__args__ if isinstance(kind, types.UnionType) else (kind,)
+    if value is None:
+        return type(None) in options
+    if isinstance(value, bool):  # not an int, whatever Python says
+        return bool in options
+    if isinstance(value, int) and float in options:
+        return True
+    return isinstance(value, tuple(t for t in options if t is not type(None) and t is not bool))
+
+
+def _type_name(kind: Any) -> str:
+    options = kind.__args__ if isinstance(kind, types.UnionType) else (kind,)
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return " or ".join("None" if t is type(None) else names[t] for t in options)

@@ -39,6 +39,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from nanoserve.engine.backends.factory import check_backend
 from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.config import rules as engine_rules
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.threads import single_threaded_executor
 from nanoserve.model.checkpoint import Checkpoint, load_checkpoint
@@ -65,29 +66,7 @@ __all__ = ["EngineDep", "SettingsDep", "create_app", "drain", "get_engine", "get
 def engine_config(settings: Settings) -> EngineConfig:
     """The engine's settings, taken from the server's (raises ValueError naming a bad combination,
     a backend that cannot run here included)."""
-    config = EngineConfig(
-        device=settings.device,
-        dtype=settings.dtype,
-        kv_cache_dtype=settings.kv_cache_dtype,
-        native_isa=settings.native_isa,
-        quantize=settings.quantize,
-        screen_head=settings.screen_head,
-        max_seqs=settings.max_seqs,
-        max_queue=settings.max_queue,
-        max_waiting_per_client=settings.max_waiting_per_client,
-        max_context=settings.max_context,
-        prefill_budget=settings.prefill_budget,
-        idle_prefill_budget=settings.idle_prefill_budget,
-        waiting_served_ratio=settings.waiting_served_ratio,
-        crop_policy=settings.crop_policy,
-        shift_keep=settings.shift_keep,
-        reject_long_prompts=settings.reject_long_prompts,
-        deterministic=settings.deterministic,
-        prefix_cache=settings.prefix_cache,
-        cpu_threads=settings.cpu_threads,
-        compile=settings.compile,
-        backend=settings.backend,
-    )
+    config = EngineConfig(**{name: getattr(settings, name) for name in engine_rules()})
     check_backend(config)
     return config
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from types import FrameType
@@ -22,7 +23,7 @@ import uvicorn
 from fastapi import FastAPI
 from pydantic import ValidationError
 
-from nanoserve.server.settings import Settings
+from nanoserve.server.settings import Settings, unknown_variables
 
 if TYPE_CHECKING:
     from nanoserve.server.http.connection_guard import ConnectionLimits
@@ -104,6 +105,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(str(e))
     configure_logging(settings.log_level, settings.log_format)
+    for warning in unknown_variables(os.environ):
+        log.warning(warning)
     app = create_app(settings, checkpoint=checkpoint)
     del checkpoint  # the app's lifespan hands it to the engine and drops it (nanoserve/server/app.py)
     guard = ConnectionGuard(connection_limits(settings), app.state.metrics.instruments)

@@ -7,11 +7,16 @@ settings; they come from the checkpoint.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, create_model, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from nanoserve.engine.config import ConfigError, EngineConfig, check_value, rules
 
 # The repository root when installed editable (`make serve`), so the default checkpoint is found
 # whatever the working directory is.
@@ -19,6 +24,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CHECKPOINT = PROJECT_ROOT / "checkpoints" / "shakespeare-char"
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+ENV_PREFIX = "NANOSERVE_"
 
 
 def _split_commas(value: object) -> object:
@@ -28,41 +34,42 @@ def _split_commas(value: object) -> object:
     return value
 
 
-class Settings(BaseSettings):
-    """Everything an operator can set. Every field is `--flag` or `NANOSERVE_FIELD`."""
+def _check_engine_value(value: Any, info: ValidationInfo) -> Any:
+    assert info.field_name is not None
+    try:
+        check_value(info.field_name, value)
+    except ConfigError as e:  # the error's place names the field; its message says the rest
+        raise PydanticCustomError("engine_setting", e.reason) from None
+    return value
 
-    model_config = SettingsConfigDict(env_prefix="NANOSERVE_", extra="ignore", validate_default=True)
+
+def _engine_settings() -> type[BaseSettings]:
+    """The engine's settings as pydantic fields: EngineConfig's names, types, defaults and help,
+    each value checked by EngineConfig's own rule (nanoserve/engine/config.py)."""
+    declared: dict[str, Any] = {
+        name: (kind, Field(default=EngineConfig.__dataclass_fields__[name].default, description=rule.help))
+        for name, (kind, rule) in rules().items()
+    }
+    check = field_validator(*declared)(_check_engine_value)
+    return create_model("EngineSettings", __base__=BaseSettings,
+                        __validators__={"_check_engine_value": check}, **declared)
+
+
+if TYPE_CHECKING:
+    class EngineSettings(BaseSettings, EngineConfig):  # the type checker sees EngineConfig's fields
+        pass
+else:
+    EngineSettings = _engine_settings()
+
+
+class Settings(EngineSettings):
+    """Everything an operator can set. Every field is `--flag` or `NANOSERVE_FIELD`; the engine's
+    come from EngineConfig."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", validate_default=True)
 
     # What to serve, where.
     checkpoint: Path = Field(default=DEFAULT_CHECKPOINT, description="Checkpoint directory to serve.")
-    device: str = Field(
-        default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="auto|cpu|cuda[:N]"
-    )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        default="float32", description="float32|bfloat16|float16 (float16 on a GPU only)."
-    )
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="auto",
-        description="KV cache element type: auto (the model's dtype), float32, bfloat16 (half the "
-        "memory; keys and values rounded to bf16), float16 (GPU only).",
-    )
-    native_isa: Literal["auto", "c", "avx2", "avx512", "avx512bf16", "amx"] = Field(
-        default="auto",
-        description="The native step's kernels, at most: auto (the best this CPU has), c, avx2, avx512, "
-        "avx512bf16, amx. avx512bf16 and amx round a bfloat16 model's linear inputs to bf16; up to "
-        "avx512 they stay float32, the same results on any x86 CPU.",
-    )
-    quantize: Literal["none", "int8"] = Field(
-        default="none",
-        description="Linear layers' weights: none (as loaded, in dtype) or int8 (symmetric, a scale per "
-        "output feature, on the native CPU backend's int8 kernels; embeddings and KV cache keep dtype).",
-    )
-    screen_head: bool = Field(
-        default=True,
-        description="A float32 model's output layer on the native backend computed in bf16 and only the "
-        "logits that could be a greedy or top-k row's k largest again in float32 (CPUs with AVX512-BF16): "
-        "the same tokens, bit for bit; holds two more copies of the output layer.",
-    )
     gil_switch_interval: float = Field(
         default=0.0,
         ge=0,
@@ -71,51 +78,6 @@ class Settings(BaseSettings):
     )
     host: str = Field(default="127.0.0.1", min_length=1, description="Address to listen on.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")
-
-    # Engine (passed to EngineConfig).
-    max_seqs: int = Field(default=16, ge=1, le=4096, description="KV slots = max concurrent sequences.")
-    max_queue: int = Field(default=64, ge=1, description="Waiting requests beyond which new ones get 429.")
-    max_context: int | None = Field(
-        default=None, ge=2,
-        description="Tokens per sequence, prompt and output (default: the model's window); the KV "
-        "cache holds max_seqs x max_context tokens.",
-    )
-    prefill_budget: int = Field(
-        default=96, ge=1,
-        description="Prompt tokens prefilled per engine step (smaller: steadier streams; a long prompt "
-        "takes more steps).",
-    )
-    idle_prefill_budget: int = Field(
-        default=2048, ge=1,
-        description="Prompt tokens prefilled per engine step while no sequence is decoding.",
-    )
-    waiting_served_ratio: float = Field(
-        default=1.2, gt=0,
-        description="The idle prefill budget also applies while requests prefilling outnumber those "
-        "decoding by this ratio (TGI's option): a wave of prompts is prefilled in one step.",
-    )
-    crop_policy: Literal["shift", "sliding"] = Field(
-        default="shift", description="Past the window: shift (amortized) or sliding (nanoGPT's)."
-    )
-    shift_keep: int | None = Field(default=None, ge=1, description="Tokens kept on a context shift.")
-    reject_long_prompts: bool = Field(default=False, description="422 instead of cropping over-long prompts.")
-    deterministic: bool = Field(default=False, description="Same tokens alone or batched (slower).")
-    prefix_cache: bool = Field(
-        default=True,
-        description="Reuse the KV cache a finished request leaves in its slot for a prompt that starts "
-        "with the same tokens (a chat turn prefills only what is new).",
-    )
-    cpu_threads: int | None = Field(
-        default=None, ge=1,
-        description="CPU threads for the model (default: OMP_NUM_THREADS, else every CPU the "
-        "process may use); the rest of the server stays on one.",
-    )
-    compile: bool = Field(default=False, description="torch.compile the decode step at warm-up.")
-    backend: Literal["auto", "native", "torch"] = Field(
-        default="auto",
-        description="What computes: auto (native where it can run: CPU, float32/bfloat16, library "
-        "built; else torch), native (an error where it cannot run), torch (any device).",
-    )
 
     # Request limits.
     max_prompt_tokens: int = Field(
@@ -174,11 +136,6 @@ class Settings(BaseSettings):
     )
 
     # Fairness and admission.
-    max_waiting_per_client: int | None = Field(
-        default=None, ge=1,
-        description="Waiting requests one client may have; beyond, 429 (default: half of max_queue). "
-        "A client is its API key when keys are set, else its address (or client_id_header).",
-    )
     client_id_header: str | None = Field(
         default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9-]+$",
         description="A header a trusted proxy sets to identify the caller (e.g. X-Forwarded-For), "
@@ -254,3 +211,24 @@ class Settings(BaseSettings):
     def api_key_values(self) -> list[bytes]:
         """The keys as bytes, for constant-time comparison (never log these)."""
         return [key.get_secret_value().encode() for key in self.api_keys]
+
+
+# Variables with these prefixes belong to the tests and benchmarks, not to the server.
+NOT_SETTINGS = ("NANOSERVE_TEST_", "NANOSERVE_BENCH_")
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One warning per NANOSERVE_* variable that names no setting (the settings ignore it, so a
+    typo would go unnoticed), with the closest setting's variable where one is close."""
+    names = list(Settings.model_fields)
+    warnings = []
+    for variable in sorted(v.upper() for v in environ):
+        if not variable.startswith(ENV_PREFIX) or variable.startswith(NOT_SETTINGS):
+            continue
+        name = variable.removeprefix(ENV_PREFIX).lower()
+        if name in names:
+            continue
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"; did you mean {ENV_PREFIX}{close[0].upper()}?" if close else ""
+        warnings.append(f"{variable} is not a setting and is ignored{hint}")
+    return warnings

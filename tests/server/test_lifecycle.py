@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import shutil
@@ -194,6 +195,97 @@ def test_every_setting_is_documented() -> None:
         row = f"| `--{name.replace('_', '-')}` / `NANOSERVE_{name.upper()}` |"
         assert row in doc, f"docs/configuration.md has no row for {name}"
         assert field.description, f"setting {name} has no description (it is the --help text)"
+
+
+def test_every_engine_field_is_a_setting_with_its_default_and_help() -> None:
+    from nanoserve.engine.config import EngineConfig, rules
+    from nanoserve.server.app import engine_config
+    from nanoserve.server.settings import Settings
+
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    assert names == list(rules()) and set(names) <= set(Settings.model_fields)
+    for f in dataclasses.fields(EngineConfig):
+        setting = Settings.model_fields[f.name]
+        assert setting.default == f.default, f.name
+        assert setting.description == f.metadata["rule"].help, f.name
+    # Every engine setting reaches the engine: a value off its default comes out of engine_config.
+    off_default = {"max_seqs": 3, "prefill_budget": 7, "crop_policy": "sliding", "packed_linear": False,
+                   "screen_head": False, "max_waiting_per_client": 2, "waiting_served_ratio": 2.5}
+    config = engine_config(Settings(device="cpu", **off_default))
+    assert dataclasses.asdict(config) == dataclasses.asdict(EngineConfig(device="cpu", **off_default))
+    args = _parse("--max-seqs", "5", "--no-packed-linear", "--crop-policy", "sliding")
+    assert dataclasses.asdict(engine_config(settings_from_args(args))) == dataclasses.asdict(
+        EngineConfig(max_seqs=5, packed_linear=False, crop_policy="sliding"))
+
+
+# Values of each type, most of them out of some field's bounds or choices.
+_SAMPLES: dict[type, list[Any]] = {int: [-1, 0, 1, 2, 4096, 4097], float: [-1.0, 0.0, 0.5, 1e9],
+                                   str: ["auto", "cpu", "cuda:x", "sliding", "int8", "sse", "bfloat16"],
+                                   bool: [True, False]}
+
+
+def test_settings_and_engine_config_accept_the_same_values() -> None:
+    from pydantic import ValidationError
+
+    from nanoserve.engine.config import ConfigError, EngineConfig, rules
+    from nanoserve.server.settings import Settings
+
+    checked = 0
+    for name, (kind, _) in rules().items():
+        if name == "device":  # beyond its form, EngineConfig also asks whether the device is there
+            continue
+        types = getattr(kind, "__args__", (kind,))
+        values = [v for t in types if t in _SAMPLES for v in _SAMPLES[t]]
+        for value in values + [None] * (type(None) in types):
+            try:
+                EngineConfig(**{name: value})
+                engine_error = None
+            except ConfigError as e:
+                engine_error = e
+            except ValueError:  # a combination (float16 on a CPU): not this field's own rule
+                continue
+            try:
+                Settings(**{name: value})
+                settings_error = None
+            except ValidationError as e:
+                settings_error = e
+            assert (engine_error is None) == (settings_error is None), (name, value)
+            if engine_error is not None:
+                assert settings_error is not None and engine_error.field == name
+                assert [(err["loc"], err["msg"]) for err in settings_error.errors()] == [
+                    ((name,), engine_error.reason)]
+                assert str(engine_error) == f"{name} {engine_error.reason}, got {value!r}"
+            checked += 1
+    assert checked > 60
+
+
+def test_a_bad_engine_value_is_one_line_naming_the_field(tiny_checkpoint, capsys) -> None:  # type: ignore[no-untyped-def]
+    from nanoserve.cli import main
+
+    status = main(["serve", "--checkpoint", str(tiny_checkpoint), "--port", str(free_port()),
+                   "--waiting-served-ratio", "0"])
+    assert status == 2
+    assert capsys.readouterr().err == (
+        "nanoserve serve: error: waiting_served_ratio: must be more than 0 (got '0')\n")
+
+
+def test_a_mistyped_variable_is_named_with_the_closest_setting() -> None:
+    from nanoserve.server.settings import unknown_variables
+
+    environ = {"NANOSERVE_MAX_SEQ": "4", "nanoserve_prefil_budget": "8", "NANOSERVE_PORT": "1",
+               "NANOSERVE_MODEL_NAME_XYZ": "a", "NANOSERVE_TEST_FAULT": "nan:x", "HOME": "/root"}
+    assert unknown_variables(environ) == [
+        "NANOSERVE_MAX_SEQ is not a setting and is ignored; did you mean NANOSERVE_MAX_SEQS?",
+        "NANOSERVE_MODEL_NAME_XYZ is not a setting and is ignored",
+        "NANOSERVE_PREFIL_BUDGET is not a setting and is ignored; did you mean NANOSERVE_PREFILL_BUDGET?",
+    ]
+
+
+def test_the_server_warns_of_a_mistyped_variable_at_start_up(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    with running_server(tiny_checkpoint, env={"NANOSERVE_MAX_SEQ": "1"}) as server:
+        assert httpx.get(server.base_url + "/info", timeout=10).json()["max_concurrent_requests"] == 16
+        warning = "NANOSERVE_MAX_SEQ is not a setting and is ignored; did you mean NANOSERVE_MAX_SEQS?"
+        assert warning in server.logs()
 
 
 async def test_start_up_heap_is_frozen_while_serving_and_released_at_shutdown(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
