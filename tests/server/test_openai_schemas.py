@@ -7,7 +7,8 @@ import math
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from nanoserve.server.api.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from nanoserve.server.api.openai.messages import ChatMessage
+from nanoserve.server.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -62,14 +63,23 @@ def test_neutral_values_some_clients_always_send_are_accepted() -> None:
 
 
 @pytest.mark.parametrize(("body", "field", "says"), [
-    ({**CHAT, "tools": [{"type": "function"}]}, "tools", "tool and function calling"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools", "tool calling is not implemented yet"),
+    ({**CHAT, "tools": [{"type": "function"}], "tool_choice": "auto"}, "tools", '"none"'),
     ({**CHAT, "tool_choice": "required"}, "tool_choice", "not supported"),
+    ({**CHAT, "tool_choice": "sometimes"}, "tool_choice", '"required" or an object'),
     ({**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
      "not supported"),
     ({**CHAT, "functions": [{"name": "f"}]}, "functions", "not supported"),
-    ({**CHAT, "store": True}, "store", "not stored"),
-    ({**CHAT, "service_tier": "flex"}, "service_tier", "'auto'"),
+    ({**CHAT, "service_tier": "gold"}, "service_tier", "'auto'"),
+    ({**CHAT, "verbosity": "loud"}, "verbosity", "'low'"),
+    ({**CHAT, "audio": {"voice": "alloy", "format": "wav"}}, "audio", "no audio"),
+    ({**CHAT, "modalities": ["text", "audio"]}, "modalities", "text only"),
+    ({**CHAT, "web_search_options": {}}, "web_search_options", "search the web"),
+    ({**CHAT, "moderation": {"model": "omni-moderation-latest"}}, "moderation", "not supported"),
+    ({**CHAT, "prediction": {"type": "guess", "content": "x"}}, "prediction.type", "'content'"),
     ({**CHAT, "response_format": {"type": "xml"}}, "response_format", "json_schema"),
+    ({**CHAT, "response_format": {"type": "regex"}}, "response_format", 'needs its "value"'),
+    ({**CHAT, "response_format": {"type": "regex", "value": ""}}, "response_format", "non-empty"),
     ({**CHAT, "logit_bias": {"a": 5}}, "logit_bias", "token ids"),
     ({**CHAT, "logit_bias": {"1": 5, "01": 3}}, "logit_bias", "twice"),
     ({**CHAT, "logit_bias": {"1": 101}}, "logit_bias", "[-100, 100]"),
@@ -84,9 +94,27 @@ def test_neutral_values_some_clients_always_send_are_accepted() -> None:
     ({**CHAT, "top_logprobs": 2}, "top_logprobs", "requires `logprobs: true`"),
     ({**CHAT, "max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens", "disagree"),
     ({"messages": []}, "messages", "at least 1"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "'assistant'"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "'assistant'"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0", "needs `tool_call_id`"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages.0", "needs `name`"),
+    ({"messages": [{"role": "user"}]}, "messages.0", "needs `content`"),
+    ({"messages": [{"role": "user", "content": "x", "refusal": "no"}]}, "messages.0",
+     "`refusal` is only for assistant"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages.0",
+     "only for tool messages"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]},
+     "messages.0.tool_calls.0", "needs its `function`"),
+    ({"messages": [{"role": "assistant", "content": "x", "mood": "ok"}]}, "messages.0.mood", "Extra inputs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages.0.content", "'image_url'` is not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     "messages.0.content", "'input_audio'` is not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "file", "file": {}}]}]},
+     "messages.0.content", "'file'` is not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]},
+     "messages.0", "only for assistant"),
+    ({"messages": [{"role": "user", "content": [{"type": "txt", "text": "a"}]}]},
+     "messages.0.content", "got type 'txt'"),
 ])
 def test_chat_refusals_name_the_field(body: dict, field: str, says: str) -> None:
     where, message = refusal(ChatCompletionRequest, body)
@@ -114,7 +142,7 @@ def test_chat_message_text_parts_and_developer_role() -> None:
     msg = ChatMessage.model_validate(
         {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
     )
-    assert msg.for_template() == {"role": "system", "content": "ab", "name": None}
+    assert msg.for_template() == {"role": "system", "content": "ab"}
 
 
 STREAMED_TEXTS = ["a", " the", "é\n\"x\" \\ 🎉", "\u2028</script>", "\x00", "\x00nanoserve-slot\x00",
@@ -128,7 +156,7 @@ def test_streamed_content_chunks_are_the_models_bytes(text: str) -> None:
     from nanoserve.engine.types import TokenEvent
     from nanoserve.model.tokenizer import CharTokenizer
     from nanoserve.server.api.openai.format import ChatChunks, CompletionChunks, Reply
-    from nanoserve.server.api.openai.schemas import (
+    from nanoserve.server.api.openai.objects import (
         ChatChunkChoice,
         ChatCompletionChunk,
         ChatDelta,

@@ -5,6 +5,8 @@ OpenAI: `response_format` {"type": "text"} | {"type": "json_object"} |
 TGI (router/src/lib.rs GrammarType, tagged by "type" with content "value"): {"type": "json",
 "value": <schema>} (alias "json_object"), {"type": "regex", "value": "<pattern>"} and
 {"type": "json_schema", "value": {"name", "schema"}}.
+On the OpenAI routes `response_format` takes either family's shapes (`response_format_grammar`),
+as TGI's chat route does.
 Shapes are checked here (4xx naming the field); whether a schema or regex compiles, and whether the
 model's vocabulary can write it, is checked by the engine when the request is submitted.
 """
@@ -58,21 +60,32 @@ def openai_grammar(fmt: dict[str, Any] | None) -> GrammarSpec | None:
                '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}')
 
 
-def tgi_grammar(grammar: dict[str, Any] | None) -> GrammarSpec | None:
-    """TGI's parameters.grammar as a grammar (None when absent)."""
+def tgi_grammar(grammar: dict[str, Any] | None, field: str = "grammar") -> GrammarSpec | None:
+    """TGI's parameters.grammar (or, on its chat route, `response_format`: `field`) as a grammar
+    (None when absent)."""
     if grammar is None:
         return None
     kind, value = grammar.get("type"), grammar.get("value")
     if set(grammar) != {"type", "value"}:
-        raise _bad('grammar must be {"type": "json" | "regex" | "json_schema", "value": ...}')
+        raise _bad(f'{field} must be {{"type": "json" | "regex" | "json_schema", "value": ...}}')
     if kind in ("json", "json_object"):
-        return GrammarSpec("json_schema", _schema_text(value, "grammar.value"))
+        return GrammarSpec("json_schema", _schema_text(value, f"{field}.value"))
     if kind == "json_schema":
         if not isinstance(value, dict) or "schema" not in value:
-            raise _bad('grammar.value of type json_schema must be {"name": ..., "schema": {...}}')
-        return GrammarSpec("json_schema", _schema_text(value["schema"], "grammar.value.schema"))
+            raise _bad(f'{field}.value of type json_schema must be {{"name": ..., "schema": {{...}}}}')
+        return GrammarSpec("json_schema", _schema_text(value["schema"], f"{field}.value.schema"))
     if kind == "regex":
         if not isinstance(value, str) or not value:
-            raise _bad("grammar.value of type regex must be a non-empty string")
+            raise _bad(f"{field}.value of type regex must be a non-empty string")
         return GrammarSpec("regex", value)
-    raise _bad(f'grammar.type must be "json", "json_schema" or "regex", got {kind!r}')
+    raise _bad(f'{field}.type must be "json", "json_schema" or "regex", got {kind!r}')
+
+
+def response_format_grammar(fmt: dict[str, Any] | None) -> GrammarSpec | None:
+    """`response_format` of the OpenAI routes: OpenAI's shapes, or TGI's (its chat route takes a
+    grammar there: {"type": ..., "value": ...}, as huggingface_hub sends it)."""
+    if fmt is not None and "value" in fmt:
+        return tgi_grammar(fmt, "response_format")
+    if fmt is not None and fmt.get("type") in ("json", "regex"):
+        raise _bad(f'response_format of type {fmt.get("type")!r} (TGI\'s) needs its "value"')
+    return openai_grammar(fmt)

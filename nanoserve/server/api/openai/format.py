@@ -16,7 +16,7 @@ from typing import Any
 from nanoserve.engine.ids import new_id
 from nanoserve.engine.types import FinishReason, Prompt, TokenEvent
 from nanoserve.model.tokenizer import Tokenizer
-from nanoserve.server.api.openai.schemas import (
+from nanoserve.server.api.openai.objects import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,

@@ -32,16 +32,15 @@ from nanoserve.server.api.openai.format import (
     summed_usage,
     usage_of,
 )
-from nanoserve.server.api.openai.schemas import (
-    ChatCompletionRequest,
+from nanoserve.server.api.openai.messages import template_messages
+from nanoserve.server.api.openai.objects import (
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
-    GenerationRequest,
     ModelCard,
     ModelList,
     TokenLogprob,
 )
+from nanoserve.server.api.openai.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from nanoserve.server.deps import EngineDep, SettingsDep
 from nanoserve.server.http.errors import APIError
 from nanoserve.server.settings import Settings
@@ -105,6 +104,7 @@ def _sampling_params(body: GenerationRequest, settings: Settings, *, max_tokens:
         presence_penalty=body.presence_penalty,
         stop=tuple(stop + [s for s in extra_stop if s not in stop]),
         seed=body.seed,
+        cache_salt=body.cache_salt,
         logprobs=logprobs,
         top_n_tokens=top_n,
         logit_bias=body.bias_pairs(),
@@ -122,7 +122,7 @@ DROPPED_HEADER = "X-Nanoserve-Dropped-Messages"
 
 
 async def _fit_window(request: Request, engine: Any, settings: Settings, template: Mapping[str, Any],
-                      messages: list[dict[str, str | None]], prompt: str,
+                      messages: list[dict[str, Any]], prompt: str,
                       max_new: int) -> tuple[str | list[int], int]:
     """The prompt to generate from (its ids when it is used as rendered) and how many of the
     conversation's oldest turns were left out so it leaves the reply room in the window: up to a
@@ -258,7 +258,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
     (the count is in the X-Nanoserve-Dropped-Messages header)."""
     model = _served_model(engine)
     template = engine.checkpoint.chat_template
-    messages = [m.for_template() for m in body.messages]
+    messages = template_messages(body.messages, template)
     try:
         prompt = render_chat(template, messages)
     except ChatTemplateError as e:

@@ -1,31 +1,25 @@
 """Request and response shapes of the OpenAI-compatible API, as the `openai` SDK sends and reads them.
 
 Requests are strict, so a mistake is an error rather than a silent surprise: unknown fields are
-rejected (422 naming the field), a boolean is not a number, NaN and infinities are refused. OpenAI
-features this server does not implement (`n > 1`, tools, JSON mode, logit bias, ...) are declared
-here only so that their rejection can say exactly that, instead of "extra field". docs/api.md
-lists what is supported.
+rejected (400 naming the field), a boolean is not a number, NaN and infinities are refused. Every
+field of OpenAI's requests is declared, each as OpenAI's semantics allow here: honoured where it
+means something; accepted and ignored where it is only a hint (caching, latency, verbosity,
+labels); refused, naming it, only where honouring it is impossible and ignoring it would change
+the answer (tool calls, audio output, web search, moderation). docs/api.md lists which is which.
+Chat messages are in nanoserve/server/api/openai/messages.py.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    ValidationInfo,
-    field_validator,
-    model_serializer,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from nanoserve.engine.types import GrammarSpec
-from nanoserve.server.api.common import MAX_COUNT
-from nanoserve.server.api.structured import openai_grammar
+from nanoserve.server.api.common import MAX_COUNT, CacheSalt
+from nanoserve.server.api.openai.messages import ChatMessage
+from nanoserve.server.api.structured import response_format_grammar
 
 MAX_CHOICES = 16  # n and best_of (also at most the engine's slots: each choice holds one)
 MAX_PROMPTS = 16  # prompts in one completions request (each is a request of the engine's)
@@ -48,6 +42,9 @@ class StreamOptions(BaseModel):
     model_config = _STRICT
 
     include_usage: bool = Field(False, description="Send a last chunk with `usage` before `[DONE]`.")
+    include_obfuscation: bool | None = Field(
+        None, description="Accepted and ignored: chunks carry no `obfuscation` padding."
+    )
 
 
 def _null_is_default(schema: dict[str, Any], model: type[BaseModel]) -> None:
@@ -95,15 +92,18 @@ class GenerationRequest(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: str | list[str] | None = Field(None, description="Non-empty stop strings (server-limited count).")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed + same request = same output.")
+    cache_salt: CacheSalt | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256, description="Accepted for compatibility and ignored.")
     safety_identifier: str | None = Field(None, max_length=256, description="Accepted and ignored.")
-    store: bool | None = Field(None, description="Nothing is stored: false or null only.")
+    store: bool | None = Field(None, description="Accepted and ignored: nothing is stored.")
     metadata: dict[str, str] | None = Field(
         None, max_length=16, description="Accepted and ignored (it labels stored completions; none are)."
     )
-    service_tier: Literal["auto", "default"] | None = Field(None, description="One tier: auto/default only.")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = Field(
+        None, description="Accepted and ignored: one tier serves every request."
+    )
     n: int = Field(
         1, ge=1, le=MAX_CHOICES, description=f"Choices to generate (1 to {MAX_CHOICES}, and at most the "
         "server's max_seqs); the prompt is prefilled once. Choice i samples with seed + i."
@@ -111,7 +111,9 @@ class GenerationRequest(BaseModel):
     response_format: dict[str, Any] | None = Field(
         None, description='{"type": "text"}, {"type": "json_object"} (any JSON object) or '
         '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}: the output is '
-        "constrained to match (also on /v1/completions, as vLLM)."
+        "constrained to match (also on /v1/completions, as vLLM). TGI's forms too: "
+        '{"type": "json" | "json_object", "value": <schema>}, {"type": "regex", "value": "..."}, '
+        '{"type": "json_schema", "value": {"name": ..., "schema": {...}}}.'
     )
     logit_bias: dict[str, float] | None = Field(
         None, description="Token id (as a string) -> bias in [-100, 100], added to the logits before "
@@ -120,13 +122,6 @@ class GenerationRequest(BaseModel):
 
     def choices(self) -> int:
         return self.n
-
-    @field_validator("store")
-    @classmethod
-    def _not_stored(cls, v: bool | None) -> bool | None:
-        if v:
-            raise _unsupported("store", "completions are not stored; send false or leave it out")
-        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -145,12 +140,12 @@ class GenerationRequest(BaseModel):
     @field_validator("response_format")
     @classmethod
     def _known_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        openai_grammar(v)  # raises on a shape that is not one of OpenAI's three
+        response_format_grammar(v)  # raises on a shape that is not OpenAI's or TGI's
         return v
 
     def grammar(self) -> GrammarSpec | None:
         """response_format as the engine's grammar (None: plain text)."""
-        return openai_grammar(self.response_format)
+        return response_format_grammar(self.response_format)
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """logit_bias as the engine takes it: (token id, bias) pairs."""
@@ -178,6 +173,15 @@ class GenerationRequest(BaseModel):
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+class Prediction(BaseModel):
+    """A predicted output (a latency hint): checked for shape, then ignored."""
+
+    model_config = _STRICT
+
+    type: Literal["content"]
+    content: str | list[dict[str, Any]]
 
 
 class CompletionRequest(GenerationRequest):
@@ -242,39 +246,6 @@ class CompletionRequest(GenerationRequest):
         return list(p)  # type: ignore[arg-type]
 
 
-class ChatMessage(BaseModel):
-    model_config = _STRICT
-
-    role: Literal["system", "developer", "user", "assistant"] = Field(
-        description="`developer` is treated as `system`; tool/function roles are not supported."
-    )
-    content: str | list[dict[str, Any]] | None = Field(
-        description="A string, or a list of text parts `{\"type\": \"text\", \"text\": ...}`."
-    )
-    name: str | None = Field(None, min_length=1, max_length=64, description="Replaces the role's speaker.")
-
-    @field_validator("content")
-    @classmethod
-    def _text_only(cls, v: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
-        for part in v if isinstance(v, list) else []:
-            kind = part.get("type")
-            if kind != "text":
-                raise _unsupported(f"content part of type {kind!r}", "this model reads text only")
-            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
-                raise _invalid('a text part is {"type": "text", "text": "<string>"} and nothing else')
-        return v
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part["text"] for part in self.content)
-        return self.content or ""
-
-    def for_template(self) -> dict[str, str | None]:
-        """The message as model.chat_template.render_chat reads it."""
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text(), "name": self.name}
-
-
 class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions."""
 
@@ -285,46 +256,74 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # Tool calling is not implemented: accepted only in the forms that call no tool.
-    tools: list[Any] | None = Field(None, description="Empty or null only.")
-    tool_choice: Any = Field(None, description='"none", "auto" (with no tools) or null only.')
-    functions: list[Any] | None = Field(None, description="Empty or null only.")
-    function_call: Any = Field(None, description='"none", "auto" or null only.')
-    parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored (no tools).")
-    modalities: list[str] | None = Field(None, description='Only ["text"].')
-    audio: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    web_search_options: Any = None
-
-    @field_validator("tools", "functions")
-    @classmethod
-    def _no_tools(cls, v: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
-        if v:
-            raise _unsupported(str(info.field_name), "tool and function calling are not implemented")
-        return v
+    # Tool calling is not implemented yet: accepted in the forms that call no tool. The choices
+    # come before the tools, so that the tools' check reads them.
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description='"none" (tools, if any, are not used), or "auto" with no tools.'
+    )
+    tools: list[dict[str, Any]] | None = Field(
+        None, description='Empty, or with tool_choice "none" only (then ignored): tool calling is not '
+        "implemented yet."
+    )
+    function_call: str | dict[str, Any] | None = Field(None, description='As tool_choice: "none" or "auto".')
+    functions: list[dict[str, Any]] | None = Field(None, description='As tools (function_call "none").')
+    parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored (no tool calls).")
+    tool_prompt: str | None = Field(None, description="TGI's: accepted and ignored (no tool calls).")
+    # Hints about caching, latency, length and effort: accepted and ignored.
+    prompt_cache_key: str | None = Field(
+        None, max_length=1024, description="Ignored: prompt prefixes are cached whatever the key."
+    )
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(None, description="Ignored.")
+    prompt_cache_options: dict[str, Any] | None = Field(None, description="Ignored.")
+    verbosity: Literal["low", "medium", "high"] | None = Field(
+        None, description="Ignored: a hint this model was not trained to follow."
+    )
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = Field(
+        None, description="Ignored: the model does no separate reasoning."
+    )
+    prediction: Prediction | None = Field(None, description="Ignored: a latency hint (predicted output).")
+    # Outputs this server cannot produce: refused unless null.
+    modalities: list[Literal["text", "audio"]] | None = Field(None, description='Only ["text"].')
+    audio: dict[str, Any] | None = Field(None, description="Refused: no audio output.")
+    web_search_options: dict[str, Any] | None = Field(None, description="Refused: no web search.")
+    moderation: dict[str, Any] | None = Field(None, description="Refused: no moderation model.")
 
     @field_validator("tool_choice", "function_call")
     @classmethod
-    def _no_tool_call(cls, v: Any, info: ValidationInfo) -> Any:
-        # With no tools, "auto" and "none" both mean a plain reply.
-        if v is not None and v not in ("none", "auto"):
-            raise _unsupported(str(info.field_name), "tool and function calling are not implemented; "
-                               'send "none", "auto" or leave it out')
+    def _no_forced_call(cls, v: str | dict[str, Any] | None,
+                        info: ValidationInfo) -> str | dict[str, Any] | None:
+        if v is None or v in ("none", "auto"):
+            return v
+        if isinstance(v, str) and v != "required":
+            raise _invalid(f'`{info.field_name}` is "none", "auto", "required" or an object, got {v!r}')
+        raise _unsupported(str(info.field_name), "tool calling is not implemented yet; send "
+                           '"none", "auto" or leave it out')
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _tools_unused(cls, v: list[dict[str, Any]] | None,
+                      info: ValidationInfo) -> list[dict[str, Any]] | None:
+        choice = info.data.get("tool_choice" if info.field_name == "tools" else "function_call")
+        if v and choice != "none":
+            raise _unsupported(str(info.field_name), "tool calling is not implemented yet; with "
+                               f'`{"tool_choice" if info.field_name == "tools" else "function_call"}'
+                               '`: "none" the request is answered without tools')
         return v
 
-    @field_validator("audio", "prediction", "reasoning_effort", "web_search_options")
+    @field_validator("audio", "web_search_options", "moderation")
     @classmethod
-    def _text_model(cls, v: Any, info: ValidationInfo) -> Any:
+    def _not_producible(cls, v: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        what = {"audio": "this model writes text only, no audio", "web_search_options": "it cannot "
+                "search the web", "moderation": "it has no moderation model"}[str(info.field_name)]
         if v is not None:
-            raise _unsupported(str(info.field_name), "this is a small text model")
+            raise _unsupported(str(info.field_name), what)
         return v
 
     @field_validator("modalities")
     @classmethod
     def _text_modality(cls, v: list[str] | None) -> list[str] | None:
-        if v is not None and v != ["text"]:
-            raise _unsupported("modalities", 'only ["text"]')
+        if v is not None and "audio" in v:
+            raise _unsupported("modalities", 'this model writes text only: ["text"]')
         return v
 
     @field_validator("top_logprobs")
@@ -344,114 +343,3 @@ class ChatCompletionRequest(GenerationRequest):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
-
-
-# ---------------------------------------------------------------- responses
-
-FinishName = Literal["stop", "length"]
-
-
-class _Response(BaseModel):
-    """What every response object and streamed chunk starts with."""
-
-    id: str
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None] | None  # None for an echoed prompt's first token
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishName | None = None
-
-
-class CompletionResponse(_Response):
-    """A completion (non-streaming), or one streamed chunk of it (`object` is the same)."""
-
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] | None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-    refusal: None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishName
-
-
-class ChatCompletionResponse(_Response):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # OpenAI sends only what a delta changes: {"content": "x"}, and {} with the finish.
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishName | None = None
-
-
-class ChatCompletionChunk(_Response):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "nanoserve"
-    max_model_len: int | None = Field(None, description="Extension: the model's context window in tokens.")
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
