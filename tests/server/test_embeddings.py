@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanoserve.engine.embeddings import EmbeddingJob
 from nanoserve.model.checkpoint import Checkpoint, load_checkpoint
 from nanoserve.model.gpt import GPT
 from nanoserve.server.api.openai.embeddings import MAX_INPUTS
@@ -153,6 +155,20 @@ async def test_a_large_batch_leaves_the_loop_and_generation_running(tiny_checkpo
         r = await embedding
         assert r.status_code == 200 and len(r.json()["data"]) == MAX_INPUTS
 
+        # A job whose request went away (its future cancelled) is dropped at its next turn.
+        job = EmbeddingJob([[1, 2, 3]] * MAX_INPUTS, None, asyncio.get_running_loop())
+        engine.embeddings.submit(job, max_waiting=1, client_share=1)
+        for _ in range(3000):
+            if job.vectors:
+                break
+            await asyncio.sleep(0.01)
+        job.future.cancel()
+        for _ in range(3000):
+            if not engine.embeddings.unfinished:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.embeddings.unfinished == 0 and 0 < len(job.vectors) < MAX_INPUTS
+
 
 async def test_torch_backend_embeds_with_the_served_model(
     tiny_checkpoint: Path, reference: tuple[Checkpoint, GPT]
@@ -177,3 +193,19 @@ def test_the_docs_example_runs(openai_server: ServerProcess) -> None:
         exec(compile(code, "docs/api.md", "exec"), {})  # our own doc's example
     width, cosine = printed.getvalue().split()
     assert int(width) > 0 and -1.0 <= float(cosine) <= 1.0 + 1e-6
+
+
+def test_a_client_that_goes_away_cancels_its_batch(openai_server: ServerProcess,
+                                                   openai_client: openai.OpenAI) -> None:
+    headers = {"Authorization": f"Bearer {OPENAI_API_KEY}"}
+    big = {"input": ["abcdefghij" * 6] * MAX_INPUTS, "encoding_format": "float"}
+    with httpx.Client(base_url=openai_server.base_url, headers=headers, timeout=0.3) as http, \
+            pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/embeddings", json=big)  # gives up and closes the socket
+    for _ in range(300):  # bounded: at most 30 s
+        if "route=/v1/embeddings status=499" in openai_server.logs():
+            break
+        time.sleep(0.1)
+    assert "route=/v1/embeddings status=499" in openai_server.logs(), openai_server.logs()[-3000:]
+    assert "Traceback" not in openai_server.logs()
+    assert len(openai_client.embeddings.create(model="m", input="still serving").data) == 1

@@ -127,16 +127,36 @@ async def embeddings(body: EmbeddingRequest, request: Request, engine: EngineDep
         await asyncio.to_thread(emb.load_model, lambda: _load_weights(engine, settings))
     job = EmbeddingJob(ids, client, asyncio.get_running_loop())
     emb.submit(job, engine.config.max_queue, engine.config.client_queue_share())
-    try:
-        vectors = await job.future
-    except EmbeddingFailed as e:
-        raise APIError(500, str(e), code="embedding_error") from None
+    vectors = await _vectors(request, job)
     tokens = sum(len(x) for x in ids)
     model = engine.checkpoint.name
     base64_format = body.encoding_format == "base64"
     # A large batch's JSON takes a while to build: off the event loop.
     content = await asyncio.to_thread(_render, vectors, model, tokens, base64_format)
     return Response(content, media_type="application/json")
+
+
+async def _vectors(request: Request, job: EmbeddingJob) -> torch.Tensor:
+    """The job's vectors. A client that goes away cancels it: the engine skips its other inputs."""
+    gone: asyncio.Future[None] = asyncio.ensure_future(_disconnected(request))
+    either: set[asyncio.Future[Any]] = {job.future, gone}
+    try:
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        job.future.cancel()  # no-op once it has its result
+    if job.future.cancelled():
+        raise APIError(499, "client disconnected", code="client_disconnected")
+    try:
+        return job.future.result()
+    except EmbeddingFailed as e:
+        raise APIError(500, str(e), code="embedding_error") from None
+
+
+async def _disconnected(request: Request) -> None:
+    # After the body is read, the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _token_ids(request: Request, engine: Any, inputs: list[str | list[int]],
