@@ -120,8 +120,8 @@ class Request:
             self.constraint.accept(token_id)
         special = self.tokenizer.is_special(token_id)
         reason: FinishReason | None = None
-        if self.params.stop_on_eos and eos_id is not None and token_id == eos_id:
-            # The end-of-text token ends the text; it is not part of it.
+        if self.params.stop_on_eos and (token_id == eos_id or token_id in self.tokenizer.end_ids):
+            # An end token (end-of-text, a chat model's end of turn) ends the text; it is not part of it.
             text, reason = self.stopper.flush(), FinishReason.EOS_TOKEN
         else:
             text, stopped = self.stopper.feed(self.decoder.add(token_id))

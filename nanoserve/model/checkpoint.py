@@ -1,6 +1,7 @@
 """The checkpoint format: a directory that describes itself, and nothing in it is ever unpickled.
 
-    config.json        format version, model config, tokenizer kind, chat template, provenance
+    config.json        format version, model config, tokenizer kind, chat template, end tokens,
+                       provenance
     model.safetensors  the weights (names as in `GPT.state_dict()`, a tied lm_head left out)
     tokenizer.json     see nanoserve/model/tokenizer.py
     README.md          the model card
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from nanoserve.model.chat_template import ChatTemplateError, validate_template
+from nanoserve.model.chat_template import ChatTemplateError, template_from_file, validate_template
 from nanoserve.model.config import GPTConfig
 from nanoserve.model.file_pages import FilePages
 from nanoserve.model.gpt import GPT
@@ -71,6 +72,11 @@ class Checkpoint:
     chat_template: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_CHAT_TEMPLATE))
     provenance: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"
+    # Token ids besides the tokenizer's eos_id that end a generation (config.json's end_token_ids).
+    end_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.tokenizer.end_ids = frozenset(self.end_token_ids)
 
     def build_model(
         self, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
@@ -122,9 +128,13 @@ def save_checkpoint(
     chat_template: dict[str, Any] | None = None,
     provenance: dict[str, Any] | None = None,
     card: str | None = None,
+    end_token_ids: Iterable[int] = (),
 ) -> Path:
     if chat_template is not None:
         validate_template(chat_template)  # never write a checkpoint that loading would refuse
+    end_ids = list(end_token_ids)
+    if not all(type(i) is int and 0 <= i < tokenizer.vocab_size for i in end_ids):
+        raise ValueError(f"end_token_ids {end_ids} must be token ids below {tokenizer.vocab_size}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = state_dict_for_saving(model)
@@ -142,6 +152,8 @@ def save_checkpoint(
         "chat_template": chat_template or DEFAULT_CHAT_TEMPLATE,
         "provenance": provenance or {},
     }
+    if end_ids:
+        manifest["end_token_ids"] = end_ids
     # Write to temporary names and rename, so a crash never leaves a half-written checkpoint.
     tmp_weights = out / (WEIGHTS_FILE + ".tmp")
     save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
@@ -223,6 +235,29 @@ def _chat_template(manifest: dict[str, Any], config_path: Path) -> dict[str, Any
     except ChatTemplateError as e:
         raise CheckpointError(f"{config_path}: invalid chat_template: {e}") from None
     return dict(template)
+
+
+def _end_token_ids(manifest: dict[str, Any], config_path: Path, tokenizer: Tokenizer) -> tuple[int, ...]:
+    ids = manifest.get("end_token_ids")
+    if ids is None:  # absent or null: the tokenizer's eos_id alone
+        return ()
+    vocab = tokenizer.vocab_size
+    if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < vocab for i in ids):
+        raise CheckpointError(
+            f"{config_path}: end_token_ids must be a list of token ids from 0 to {vocab - 1}, got {ids!r}"
+        )
+    return tuple(ids)
+
+
+def with_chat_template_file(ckpt: Checkpoint, path: Path) -> Checkpoint:
+    """`ckpt` with the chat template in `path` instead of its own (`serve --chat-template`); a Jinja
+    one sees the special tokens of the checkpoint's own Jinja template, or else its eos token as
+    bos_token and eos_token (GPT-2's convention). ChatTemplateError names the file and the problem."""
+    specials = ckpt.chat_template.get("special_tokens")
+    if specials is None and ckpt.tokenizer.eos_id is not None:
+        eos = ckpt.tokenizer.id_to_piece(ckpt.tokenizer.eos_id)
+        specials = {"bos_token": eos, "eos_token": eos}
+    return replace(ckpt, chat_template=template_from_file(path, specials or {}))
 
 
 def name_mismatch(expected: Iterable[str], found: Iterable[str]) -> str | None:
@@ -344,3 +379,5 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         provenance=manifest.get("provenance") or {},  # absent or null: none
         dtype=manifest["dtype"],
     )
+    end_token_ids = _end_token_ids(manifest, config_path, tokenizer)
+        end_token_ids=end_token_ids,

@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from nanoserve.model.chat_template import ChatTemplateError, validate_template
 from nanoserve.model.checkpoint import (
     Checkpoint,
     expected_tensors,
@@ -30,6 +31,7 @@ from nanoserve.model.checkpoint import (
     save_checkpoint,
 )
 from nanoserve.model.config import GPTConfig
+from nanoserve.model.hf_chat import HFChat, HFChatError, read_chat, write_chat
 from nanoserve.model.hf_llama import (
     LlamaConfigError,
     check_exportable,
@@ -109,6 +111,7 @@ def export_hf(ckpt: Checkpoint, out_dir: str | Path) -> Path:
     save_file(tensors, str(out / HF_WEIGHTS), metadata={"format": "pt"})
     (out / HF_CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
     _export_tokenizer(ckpt.tokenizer, out)
+    write_chat(out, ckpt.chat_template, list(ckpt.end_token_ids))
     return out
 
 
@@ -123,6 +126,7 @@ def _export_llama(ckpt: Checkpoint, out: Path) -> Path:
     save_file(to_llama_names(ckpt.state_dict, ckpt.config), str(out / HF_WEIGHTS), metadata={"format": "pt"})
     (out / HF_CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
     _export_tokenizer(ckpt.tokenizer, out)
+    write_chat(out, ckpt.chat_template, list(ckpt.end_token_ids))
     return out
 
 
@@ -154,7 +158,8 @@ def _export_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
 def import_hf(
     hf_dir: str | Path, out_dir: str | Path, *, name: str | None = None, dtype: str | None = None
 ) -> Path:
-    """Convert a Hugging Face GPT-2 directory into a checkpoint at `out_dir`; returns its path.
+    """Convert a Hugging Face GPT-2 or Llama directory into a checkpoint at `out_dir`; returns its
+    path. Its chat template, special tokens and end tokens come along (nanoserve/model/hf_chat.py).
 
     `dtype` (float32 | bfloat16 | float16) casts the weights; by default they keep the source's
     dtype when all tensors share a supported one, and become float32 otherwise.
@@ -164,6 +169,7 @@ def import_hf(
         raise HFConversionError(f"{src}: not a directory")
     config = _read_hf_config(src)
     tokenizer = _read_hf_tokenizer(src)
+    chat = _read_chat(src, tokenizer)
     hf_tensors, weights_desc = _read_hf_weights(src)
     state_dict = _to_our_names(hf_tensors, config, weights_desc)
     dtypes = {t.dtype for t in state_dict.values()}
@@ -179,7 +185,7 @@ def import_hf(
     target = _torch_dtype(dtype)
     state_dict = {k: v.to(target) for k, v in state_dict.items()}
     ckpt = Checkpoint(config=config, tokenizer=tokenizer, state_dict=state_dict,
-                      name=name or src.resolve().name, dtype=dtype)
+                      name=name or src.resolve().name, dtype=dtype, end_token_ids=tuple(chat.end_token_ids))
     provenance = {
         "imported_from": str(src.resolve()),
         "source_format": f"huggingface-{config.family}",
@@ -188,7 +194,21 @@ def import_hf(
     }
     model = ckpt.build_model("cpu")
     card = _import_card(ckpt.name, provenance, config)
-    return save_checkpoint(out_dir, model, tokenizer, name=ckpt.name, provenance=provenance, card=card)
+    return save_checkpoint(out_dir, model, tokenizer, name=ckpt.name, provenance=provenance, card=card,
+                           chat_template=chat.template, end_token_ids=chat.end_token_ids)
+
+
+def _read_chat(src: Path, tokenizer: Tokenizer) -> HFChat:
+    """The directory's chat template (checked as loading will check it) and end tokens."""
+    try:
+        chat = read_chat(src, read_json_object(src / HF_CONFIG, HFConversionError), tokenizer)
+        if chat.template is not None:
+            validate_template(chat.template)
+    except HFChatError as e:
+        raise HFConversionError(str(e)) from None
+    except ChatTemplateError as e:
+        raise HFConversionError(f"{src}: its chat template cannot be served: {e}") from None
+    return chat
 
 
 def _read_hf_config(src: Path) -> GPTConfig:

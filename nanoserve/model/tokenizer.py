@@ -31,6 +31,9 @@ class Tokenizer(ABC):
     # Set where decode(ids) is always the concatenation of pieces[i] (a token's text never depends
     # on its neighbours: character vocabularies), so a stream can emit each token's text as it is.
     pieces: tuple[str, ...] | None = None
+    # Tokens besides eos_id that end a generation (a checkpoint's end_token_ids: a chat model's
+    # end-of-turn token, generation_config.json's eos_token_id list); set by Checkpoint.
+    end_ids: frozenset[int] = frozenset()
 
     @property
     @abstractmethod
@@ -62,7 +65,7 @@ class Tokenizer(ABC):
         return max((len(self.id_to_piece(i)) for i in range(self.vocab_size)), default=1) or 1
 
     def is_special(self, token_id: int) -> bool:
-        return token_id == self.eos_id
+        return token_id == self.eos_id or token_id in self.end_ids
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), ensure_ascii=False), encoding="utf-8")
