@@ -369,6 +369,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     config = _model_config(manifest, config_path)
     chat_template = _chat_template(manifest, config_path)
     tokenizer = _load_tokenizer(root, manifest, config)
+    end_token_ids = _end_token_ids(manifest, config_path, tokenizer)
     tensors = _load_weights(root, config, manifest["dtype"])
     return Checkpoint(
         config=config,
@@ -378,6 +379,5 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         chat_template=chat_template,
         provenance=manifest.get("provenance") or {},  # absent or null: none
         dtype=manifest["dtype"],
-    )
-    end_token_ids = _end_token_ids(manifest, config_path, tokenizer)
         end_token_ids=end_token_ids,
+    )
