@@ -42,6 +42,10 @@ def chat(**fields: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, **fields}
 
 
+def resp(**fields: Any) -> dict[str, Any]:
+    return {"input": "Hello", "max_output_tokens": 4, **fields}
+
+
 MB3 = "a" * (3 << 20)
 
 CASES = [
@@ -109,6 +113,19 @@ CASES = [
     Case("chat: too many stop strings", "/v1/chat/completions", chat(stop=["x"] * 50), 400, r"stop"),
     Case("chat: character outside the vocabulary", "/v1/chat/completions",
          chat(messages=[{"role": "user", "content": "\u65e5\u672c"}]), 400, r"\u65e5|u\+65e5"),
+    Case("responses: unknown field", "/v1/responses", resp(frobnicate=1), 400, r"frobnicate"),
+    Case("responses: input is a number", "/v1/responses", resp(input=5), 400, r"input"),
+    Case("responses: function tool", "/v1/responses", resp(tools=[{"type": "function", "name": "f"}]), 400,
+         r"tools.*tool calling"),
+    Case("responses: image part", "/v1/responses",
+         resp(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), 400,
+         r"input_image"),
+    Case("responses: unknown previous_response_id", "/v1/responses", resp(previous_response_id="resp_x"),
+         400, r"previous response"),
+    Case("responses: json_schema without a schema", "/v1/responses",
+         resp(text={"format": {"type": "json_schema", "name": "s"}}), 400, r"schema"),
+    Case("responses: max_output_tokens is a bool", "/v1/responses", resp(max_output_tokens=True), 400,
+         r"max_output_tokens"),
 ]
 
 

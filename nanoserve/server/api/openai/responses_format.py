@@ -96,11 +96,14 @@ class ResponseEvents:
         self.sequence += 1
         return sse_event(data, event=kind)
 
-    def _start(self) -> Iterator[bytes]:
+    def _open(self) -> Iterator[bytes]:
         self.started = True
         opening = self.draft.response("in_progress", []).model_dump()
         yield self._event("response.created", response=opening)
         yield self._event("response.in_progress", response=opening)
+
+    def _start(self) -> Iterator[bytes]:
+        yield from self._open()
         item = self.draft.message(None, "in_progress").model_dump()
         yield self._event("response.output_item.added", output_index=0, item=item)
         yield self._event("response.content_part.added", **self._part, part=OutputText(text="").model_dump())
@@ -128,6 +131,6 @@ class ResponseEvents:
     def error_event(self, message: str, code: str) -> bytes:
         """The end of a stream whose generation failed after the 200: `response.failed` (with the
         lifecycle's opening events first, when the failure came before any token)."""
-        opening = b"".join(self._start()) if not self.started else b""
+        opening = b"".join(self._open()) if not self.started else b""
         failed = self.draft.response("failed", [], error={"code": "server_error", "message": message})
         return opening + self._event("response.failed", response=failed.model_dump())
