@@ -58,10 +58,6 @@ class EmbeddingJob:
     def _on_done(self, future: asyncio.Future[torch.Tensor]) -> None:
         self.cancelled = future.cancelled()
 
-    @property
-    def tokens(self) -> int:
-        return sum(len(ids) for ids in self.inputs)
-
 
 class Embeddings:
     """The engine's embedding jobs: `submit` queues (from the event loop), `run` computes (on the
@@ -70,6 +66,7 @@ class Embeddings:
     def __init__(self, model: GPT, cpu_threads: int, wake: Callable[[], None]) -> None:
         # The served model, unless its weights were released to the native step (meta tensors).
         self.model: GPT | None = None if model.wte.weight.device.type == "meta" else model
+        self.config = model.config
         self.width = model.config.n_embd
         self.max_tokens = model.config.block_size  # per input: its positions
         self.cpu_threads = cpu_threads
@@ -79,6 +76,7 @@ class Embeddings:
         self._load_lock = threading.Lock()
         self._closed: str | None = None
         self.unfinished = 0  # submitted jobs not settled yet (shutdown waits for them)
+        self._by_client: dict[str | None, int] = {}  # unfinished jobs by client
 
     # ---- the event loop's side -----------------------------------------------------------
     @property
@@ -92,7 +90,7 @@ class Embeddings:
             if self.model is not None:
                 return
             model = load()
-            if model.config.n_embd != self.width or model.config.block_size != self.max_tokens:
+            if model.config != self.config:
                 raise ValueError("the checkpoint loaded for embeddings is not the served model")
             self.model = model.eval()
             log.info("embeddings: torch weights loaded (%d parameters)", model.num_params(False))
@@ -102,15 +100,17 @@ class Embeddings:
         with self._lock:
             if self._closed is not None:
                 raise NotReady(self._closed)
-            if len(self._jobs) >= max_waiting:
-                raise Overloaded(f"{len(self._jobs)} embedding requests are already waiting "
+            # Counted until settled: the job being computed is out of the deque meanwhile.
+            if self.unfinished >= max_waiting:
+                raise Overloaded(f"{self.unfinished} embedding requests are already waiting "
                                  f"(max_queue {max_waiting}); retry later")
-            mine = sum(1 for j in self._jobs if j.client == job.client)
+            mine = self._by_client.get(job.client, 0)
             if job.client is not None and mine >= client_share:
                 raise Overloaded(f"this client already has {mine} embedding requests waiting "
                                  f"(max_waiting_per_client {client_share}); retry later")
             self._jobs.append(job)
             self.unfinished += 1
+            self._by_client[job.client] = mine + 1
         self._wake()
 
     def __len__(self) -> int:
@@ -166,6 +166,9 @@ class Embeddings:
     def _settle(self, job: EmbeddingJob, outcome: torch.Tensor | Exception) -> None:
         with self._lock:
             self.unfinished -= 1
+            left = self._by_client.pop(job.client) - 1
+            if left:
+                self._by_client[job.client] = left
         with contextlib.suppress(RuntimeError):  # its event loop is gone: nobody waits for it
             job.loop.call_soon_threadsafe(_resolve, job.future, outcome)
 

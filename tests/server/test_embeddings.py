@@ -138,8 +138,9 @@ def test_a_full_batch_through_the_sdk(openai_client: openai.OpenAI) -> None:
 
 async def test_a_large_batch_leaves_the_loop_and_generation_running(tiny_checkpoint: Path) -> None:
     """The engine thread computes a batch one slice per step: while it is under way /health
-    answers, and a generation runs to its end (it needs a few steps, the batch over a thousand)."""
-    async with asgi_client(tiny_checkpoint) as client:
+    answers, and a generation runs to its end (it needs a few steps, the batch over a thousand);
+    the waiting embedding request counts against the queue."""
+    async with asgi_client(tiny_checkpoint, max_queue=1) as client:
         engine = client.app.state.engine
         embedding = asyncio.create_task(
             client.post("/v1/embeddings", json={"input": ["abcdefghij" * 6] * MAX_INPUTS}))
@@ -149,6 +150,9 @@ async def test_a_large_batch_leaves_the_loop_and_generation_running(tiny_checkpo
             await asyncio.sleep(0.01)
         assert engine.embeddings.unfinished == 1
         assert (await client.get("/health")).status_code == 200
+        refused = await client.post("/v1/embeddings", json={"input": "x"})  # the queue (1) is full
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "overloaded"
+        assert int(refused.headers["retry-after"]) >= 1
         r = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
         assert r.status_code == 200, r.text
         assert not embedding.done() and engine.embeddings.unfinished == 1
