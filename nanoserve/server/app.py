@@ -42,7 +42,7 @@ from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.config import rules as engine_rules
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.threads import single_threaded_executor
-from nanoserve.model.checkpoint import Checkpoint, load_checkpoint
+from nanoserve.model.checkpoint import Checkpoint, load_checkpoint, with_chat_template_file
 from nanoserve.server.api.docs import install_openapi
 from nanoserve.server.api.openai.responses_store import ResponseStore
 from nanoserve.server.deps import EngineDep, SettingsDep, get_engine, get_settings, server_version
@@ -109,6 +109,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.checkpoint = None
     if checkpoint is None:
         checkpoint = await asyncio.to_thread(load_checkpoint, settings.checkpoint)
+        if settings.chat_template is not None:  # `nanoserve serve` applied it already
+            checkpoint = with_chat_template_file(checkpoint, settings.chat_template)
     metrics: Metrics = app.state.metrics
     config = engine_config(settings)
     engine = await asyncio.to_thread(Engine, checkpoint, config, metrics.observer)

@@ -84,7 +84,8 @@ def _describe(e: ValidationError) -> str:
 
 def run_serve(args: argparse.Namespace) -> int:
     from nanoserve.engine.threads import single_threaded_elsewhere
-    from nanoserve.model.checkpoint import CheckpointError, load_checkpoint
+    from nanoserve.model.chat_template import ChatTemplateError
+    from nanoserve.model.checkpoint import CheckpointError, load_checkpoint, with_chat_template_file
     from nanoserve.server.app import create_app, engine_config
     from nanoserve.server.http.access_log import configure_logging
     from nanoserve.server.http.connection_guard import ConnectionGuard
@@ -100,8 +101,12 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         engine_config(settings)  # device/dtype combinations, fault spec: fail before loading anything
         checkpoint = load_checkpoint(settings.checkpoint)
+        if settings.chat_template is not None:
+            checkpoint = with_chat_template_file(checkpoint, settings.chat_template)
     except CheckpointError as e:
         return _fail(f"cannot load checkpoint: {e}")
+    except ChatTemplateError as e:
+        return _fail(f"--chat-template {e}")
     except ValueError as e:
         return _fail(str(e))
     configure_logging(settings.log_level, settings.log_format)

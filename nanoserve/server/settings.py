@@ -70,6 +70,11 @@ class Settings(EngineSettings):
 
     # What to serve, where.
     checkpoint: Path = Field(default=DEFAULT_CHECKPOINT, description="Checkpoint directory to serve.")
+    chat_template: Path | None = Field(
+        default=None,
+        description="A chat template to use instead of the checkpoint's: a Jinja file (as Hugging Face "
+        "models have), a tokenizer_config.json, or a .json data-only template.",
+    )
     gil_switch_interval: float = Field(
         default=0.0,
         ge=0,
