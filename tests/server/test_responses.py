@@ -7,6 +7,8 @@ instructions and a previous response's turns reach the model through the same ch
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import time
@@ -23,8 +25,9 @@ from nanoserve.model.chat_template import render_chat
 from nanoserve.model.checkpoint import Checkpoint, load_checkpoint
 from nanoserve.server.api.openai.responses_store import ResponseStore
 from tests.server.asgi import asgi_client
-from tests.server.conftest import FAULT_MARKER, OPENAI_MAX_NEW_TOKENS, metric_value
-from tests.server.server import ServerProcess
+from tests.server.conftest import FAULT_MARKER, OPENAI_API_KEY, OPENAI_MAX_NEW_TOKENS, metric_value
+from tests.server.doc_text import blocks
+from tests.server.server import REPO_ROOT, ServerProcess
 
 LIFECYCLE = ["response.created", "response.in_progress", "response.output_item.added",
              "response.content_part.added"]
@@ -281,3 +284,16 @@ def test_the_store_bound_in_bytes() -> None:
     assert not store.put("k", {"id": "huge"}, [{"role": "user", "content": "x" * 1000}])  # over alone
     assert store.get("k", "huge") is None and store.get("k", "r3") is not None
     assert not ResponseStore(max_entries=0, max_bytes=1000).put("k", {"id": "r"}, [message])
+
+
+@pytest.mark.timeout(120)
+def test_the_docs_example_runs(openai_server: ServerProcess) -> None:
+    doc = (REPO_ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    code = blocks(doc.split("\n## Responses API (`/v1/responses`)\n", 1)[1], "python")[0]
+    code = code.replace("http://127.0.0.1:8000/v1", openai_server.base_url + "/v1")
+    code = code.replace("unused-unless-the-server-sets-keys", OPENAI_API_KEY)
+    assert openai_server.base_url in code and OPENAI_API_KEY in code  # the doc still reads as expected
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "docs/api.md", "exec"), {})  # our own doc's example
+    assert printed.getvalue().strip()
