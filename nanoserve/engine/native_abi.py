@@ -15,7 +15,7 @@ from pathlib import Path
 
 from nanoserve.engine.config import NATIVE_ISAS
 
-NS_ABI_VERSION = 4  # the header's version this mirror was written against
+NS_ABI_VERSION = 5  # the header's version this mirror was written against
 
 _p, _i32, _f32, _f64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float, ctypes.c_double
 
@@ -48,7 +48,7 @@ class Weights(ctypes.Structure):
 
 
 class OpenMP(ctypes.Structure):
-    _fields_ = [("parallel", _p), ("barrier", _p), ("thread_num", _p), ("num_threads", _p)]
+    _fields_ = [("parallel", _p), ("thread_num", _p), ("num_threads", _p)]
 
 
 class StepArgs(ctypes.Structure):

@@ -57,8 +57,8 @@ from nanoserve.model.gpt import GPT, Block
 log = logging.getLogger(__name__)
 
 # libgomp's entry points by the ns_openmp field that takes each.
-_OMP_ENTRY_POINTS = {"parallel": "GOMP_parallel", "barrier": "GOMP_barrier",
-                     "thread_num": "omp_get_thread_num", "num_threads": "omp_get_num_threads"}
+_OMP_ENTRY_POINTS = {"parallel": "GOMP_parallel", "thread_num": "omp_get_thread_num",
+                     "num_threads": "omp_get_num_threads"}
 _LIBRARY_NAME = "_decode"
 _DTYPES = (torch.float32, torch.bfloat16)  # the library's NS_F32 and NS_BF16
 _LAYER_LINEARS = ("attn", "proj", "fc", "mproj")  # ns_layer's linears, in ns_tile_linear's numbering

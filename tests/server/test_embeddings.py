@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from nanoserve.engine.embeddings import EmbeddingJob
 from nanoserve.model.checkpoint import Checkpoint, load_checkpoint
+from nanoserve.model.config import GPTConfig
 from nanoserve.model.gpt import GPT
 from nanoserve.server.api.openai.embeddings import MAX_INPUTS
 from tests.server.asgi import asgi_client
@@ -213,3 +214,15 @@ def test_a_client_that_goes_away_cancels_its_batch(openai_server: ServerProcess,
     assert "route=/v1/embeddings status=499" in openai_server.logs(), openai_server.logs()[-3000:]
     assert "Traceback" not in openai_server.logs()
     assert len(openai_client.embeddings.create(model="m", input="still serving").data) == 1
+
+
+@pytest.mark.parametrize("family", [
+    {},
+    {"norm": "rmsnorm", "mlp": "swiglu", "positions": "rope", "n_kv_head": 2, "tie_embeddings": False},
+])
+def test_hidden_states_are_what_the_output_layer_reads(family: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_embd=32, **family)).eval()
+    idx = torch.randint(0, 40, (2, 9))
+    with torch.inference_mode():
+        torch.testing.assert_close(model.lm_head(model.hidden_states(idx)), model(idx), rtol=0, atol=0)

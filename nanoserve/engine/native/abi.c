@@ -55,7 +55,7 @@ static const Layout LAYOUTS[] = {
     FIELD(ns_weights, wte), FIELD(ns_weights, wpe), FIELD(ns_weights, layers), FIELD(ns_weights, lnf),
     FIELD(ns_weights, head),
     SIZE(ns_openmp),
-    FIELD(ns_openmp, parallel), FIELD(ns_openmp, barrier), FIELD(ns_openmp, thread_num),
+    FIELD(ns_openmp, parallel), FIELD(ns_openmp, thread_num),
     FIELD(ns_openmp, num_threads),
     SIZE(ns_step_args),
     FIELD(ns_step_args, tok), FIELD(ns_step_args, pos), FIELD(ns_step_args, slot), FIELD(ns_step_args, out),

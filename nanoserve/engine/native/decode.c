@@ -11,40 +11,58 @@
  * chunks of every weight (claimed, see claim), and the threads meet at a
  * barrier only where the next phase reads what another thread wrote.
  *
- * Threads: the region runs on the calling thread's OpenMP team through libgomp's own entry points
- * (GOMP_parallel, GOMP_barrier), handed in by the caller from the libgomp torch already loaded. So
- * the step reuses the pool torch's kernels use (its workers already spinning between steps) and
- * never starts a second one: two pools on two cores made every region pay futex wake-ups.
+ * Threads: the region runs on the calling thread's OpenMP team through libgomp's own entry point
+ * (GOMP_parallel), handed in by the caller from the libgomp torch already loaded. So the step
+ * reuses the pool torch's kernels use (its workers already spinning between steps) and never
+ * starts a second one: two pools on two cores made every region pay futex wake-ups. Within the
+ * region the threads meet at the library's own barrier (barrier.inc), which sleeps where
+ * libgomp's would spin for a thread that has lost its core.
  *
  * Nothing here links a Python or torch header: the caller passes raw pointers to tensors it keeps
  * alive (linear weights packed in panels, see gemv; the KV cache's (slots, heads, window, head_dim)
  * buffers), and the library is loaded with ctypes, which releases the GIL for the call.
  *
- * The parts: this file includes row_kernels.inc, matmul.inc, matmul_int8.inc, tiles.inc, attention.inc and
- * sampler.inc, once each, in that order. They are fragments of this translation unit, not headers
- * (no guards, no interface of their own: nanoserve_native.h is the library's interface), and stay
+ * The parts: this file includes row_kernels.inc, matmul.inc, matmul_int8.inc, tiles.inc,
+ * attention.inc, sampler.inc and barrier.inc, once each, in that order. They are fragments of this
+ * translation unit, not headers (no guards, no interface of their own: nanoserve_native.h is the library's interface), and stay
  * one unit on purpose: their kernels are static functions the compiler inlines into the per-thread
  * step loop below, and they share this file's Model, Job and helpers. As separate units each call
  * between them would be a real call on the hot path (or need link-time optimisation), and their
  * private types would become a second, internal header.
  */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime (barrier.inc) */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#else
+#include <sched.h>
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#include <sys/syscall.h>
 #define NS_X86 1
-long syscall(long number, ...); /* <unistd.h> also declares a sync(), which this file defines */
 #endif
+long syscall(long number, ...); /* <unistd.h> also declares a sync(), which this file defines */
 
 #include "nanoserve_native.h"
 
 typedef void (*parallel_fn)(void (*fn)(void *), void *data, unsigned nthreads, unsigned flags);
-typedef void (*barrier_fn)(void);
 typedef int (*int_fn)(void);
+
+/* The step's barrier (barrier.inc), its counters on cache lines of their own. */
+typedef struct {
+    char before[64];
+    int count;    /* threads arrived at the current barrier */
+    unsigned gen; /* barriers passed: a waiting thread waits for it to move */
+    int sleepers; /* threads asleep on gen */
+    int spin_ns;  /* how long a waiting thread spins before it sleeps */
+    char after[64];
+} Barrier;
 
 /* Element types of weights and of the KV cache: float32, or bfloat16 (the upper half of a float32;
  * computed in float32 all the same, see to_float). */
@@ -132,7 +150,7 @@ typedef struct ns_model {
     uint16_t *sxb;
     size_t smp_bytes;
     parallel_fn parallel;
-    barrier_fn barrier;
+    Barrier bar;
     int_fn thread_num, num_threads;
 } Model;
 
@@ -345,8 +363,10 @@ static void gemv_claimed(const Job *job, int phase, const Linear *l, const float
 
 /* ---------------------------------------------------------------- the step, per thread */
 
-static inline void sync(const Job *job) {
-    if (!job->serial) job->m->barrier();
+#include "barrier.inc"
+
+static inline void sync(const Job *job, int nt) {
+    if (!job->serial) barrier_wait(&job->m->bar, nt);
 }
 
 #include "head_screen.inc"
@@ -384,7 +404,7 @@ static const float *normalise(const Job *job, Norm nm, const int64_t *sel, int n
         norm_row(m, row, normed, nm);
         if (dst == m->hn) round_shared(m, normed, c, m->hb, c, r, 0);
     }
-    if (dst == m->hn) sync(job);
+    if (dst == m->hn) sync(job, nt);
     return dst;
 }
 
@@ -444,7 +464,7 @@ static void attention_phase(const Job *job, const Layer *L, int phase, float *sc
     const int chunk = chunk_of(items, job->rows, nt), store_in_item = job->own_slots && parts == 1;
     if (!store_in_item) {
         for (int p = tid; p < pairs; p += nt) store_kv(m, L, job, p / m->n_kv, p % m->n_kv);
-        sync(job);
+        sync(job, nt);
     }
     Claims cl = claims(phase, items, chunk, tid, nt);
     for (int p0 = claim(job, &cl); p0 >= 0; p0 = claim(job, &cl)) {
@@ -470,7 +490,7 @@ static void attention_phase(const Job *job, const Layer *L, int phase, float *sc
                 round_shared(m, m->y + (size_t)j * c + col, (h1 - h0) * hs, m->yb, c, j, col);
         }
     }
-    sync(job);
+    sync(job, nt);
 }
 
 static void step_thread(void *arg) {
@@ -485,21 +505,21 @@ static void step_thread(void *arg) {
     /* This thread's part counters, zeroed before the barrier below, which every claim follows. */
     for (int ph = 0; ph < PHASES(m->n_layer); ph++) *claim_counter(job, ph, tid) = 0;
     embed_rows(job, tid, nt);
-    sync(job);
+    sync(job, nt);
     const int swiglu = m->act == ACT_SWIGLU;
     for (int li = 0; li < m->n_layer; li++) {
         const Layer *L = &m->layers[li];
         const float *h = normalise(job, L->ln1, NULL, rows, tid, nt, own);
         gemv_claimed(job, phase++, &L->attn, h, shared_of(m, h), rows, m->qkv, m->qkv_w, 0, ACT_NONE, NULL, tid, nt);
-        sync(job);
+        sync(job, nt);
         attention_phase(job, L, phase++, scores, tid, nt);
         gemv_claimed(job, phase++, &L->proj, m->y, m->yb, rows, m->x, c, 1, ACT_NONE, NULL, tid, nt);
-        sync(job);
+        sync(job, nt);
         h = normalise(job, L->ln2, NULL, rows, tid, nt, own);
         gemv_claimed(job, phase++, &L->fc, h, shared_of(m, h), rows, m->f, m->fc_w, 0, m->act, m->fb, tid, nt);
-        sync(job);
+        sync(job, nt);
         gemv_claimed(job, phase++, &L->mproj, swiglu ? m->g : m->f, m->fb, rows, m->x, c, 1, ACT_NONE, NULL, tid, nt);
-        sync(job);
+        sync(job, nt);
     }
     const float *h = normalise(job, m->lnf, job->out, job->n_out, tid, nt, own);
 #ifdef NS_X86
@@ -511,6 +531,9 @@ static void step_thread(void *arg) {
 #ifdef NS_X86
     if (m->tiles == ISA_AMX) amx_release(); /* the thread's tile state is not kept between steps */
 #endif
+    /* Met here, where a late thread sleeps (barrier.inc), not only at the region's end in libgomp,
+     * where the others would spin for it. */
+    sync(job, nt);
 }
 
 /* ---------------------------------------------------------------- the interface (nanoserve_native.h) */
@@ -659,10 +682,10 @@ ns_model *ns_create(const ns_config *cfg, const ns_weights *w, const ns_openmp *
     const int c = m->n_embd, n_layer = m->n_layer, max_threads = m->max_threads;
     if (omp) {
         m->parallel = (parallel_fn)omp->parallel;
-        m->barrier = (barrier_fn)omp->barrier;
         m->thread_num = (int_fn)omp->thread_num;
         m->num_threads = (int_fn)omp->num_threads;
     }
+    m->bar.spin_ns = SPIN_MAX_NS;
     m->layers = calloc(n_layer, sizeof(Layer));
     size_t r = cfg->max_rows;
     m->x = calloc(r * c, sizeof(float));

@@ -24,7 +24,7 @@ extern "C" {
 
 #define NS_API __attribute__((visibility("default")))
 
-#define NS_ABI_VERSION 4
+#define NS_ABI_VERSION 5
 
 /* Linear weights come packed in panels of NS_PANEL output features: panel p holds W[p * NS_PANEL + j][k]
  * at [p][k][j] (float32), or, in bfloat16, features j and j + NS_PANEL / 2 of input k side by side,
@@ -107,11 +107,12 @@ typedef struct {
     ns_linear head; /* (vocab, n_embd) */
 } ns_weights;
 
-/* libgomp's entry points as the caller's process loaded them (GOMP_parallel, GOMP_barrier,
- * omp_get_thread_num, omp_get_num_threads), so that the library runs its parallel regions on the
- * caller's own OpenMP team instead of starting a second pool. */
+/* libgomp's entry points as the caller's process loaded them (GOMP_parallel, omp_get_thread_num,
+ * omp_get_num_threads), so that the library runs its parallel regions on the caller's own OpenMP
+ * team instead of starting a second pool. (The threads of a region meet at the library's own
+ * barrier, not libgomp's: see barrier.inc.) */
 typedef struct {
-    void *parallel, *barrier, *thread_num, *num_threads;
+    void *parallel, *thread_num, *num_threads;
 } ns_openmp;
 
 /* A model over these weights and KV cache, at kernel level NS_ISA_AVX512 or the best below it this
