@@ -226,3 +226,24 @@ def test_hidden_states_are_what_the_output_layer_reads(family: dict[str, Any]) -
     idx = torch.randint(0, 40, (2, 9))
     with torch.inference_mode():
         torch.testing.assert_close(model.lm_head(model.hidden_states(idx)), model(idx), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("drain_s", [30.0, 0.0])
+async def test_shutdown_drains_or_ends_accepted_embedding_requests(tiny_checkpoint: Path,
+                                                                   drain_s: float) -> None:
+    """Draining waits for an accepted embeddings request like a generation; one still running when
+    the drain time is up ends with a 503, never a hang."""
+    async with asgi_client(tiny_checkpoint) as client:
+        engine = client.app.state.engine
+        embedding = asyncio.create_task(
+            client.post("/v1/embeddings", json={"input": ["abcdefghij" * 6] * 512}))
+        for _ in range(3000):
+            if engine.embeddings.unfinished or embedding.done():
+                break
+            await asyncio.sleep(0.01)
+        assert engine.embeddings.unfinished == 1
+        await engine.shutdown(drain_s)
+        r = await asyncio.wait_for(embedding, 30)
+        assert r.status_code == (200 if drain_s else 503), r.text
+        late = await client.post("/v1/embeddings", json={"input": "x"})
+        assert late.status_code == 503
