@@ -18,6 +18,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from nanoserve.model.chat_template import is_jinja
+
 # Strict as the requests that carry them (nanoserve/server/api/openai/schemas.py).
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 # Fields only an assistant message carries (non-null on another role is refused).
@@ -203,9 +205,8 @@ def data_template_message(msg: dict[str, Any], roles: dict[str, str]) -> dict[st
 
 def template_messages(messages: list[ChatMessage], template: dict[str, Any]) -> list[dict[str, Any]]:
     """The conversation as the checkpoint's template renders it: OpenAI's message shape for a
-    template that reads it, turns of text for a data-only template (one with `roles`)."""
+    Jinja template (which reads it as transformers passes it), turns of text for a data-only one."""
     msgs = [m.for_template() for m in messages]
-    roles = template.get("roles")
-    if isinstance(roles, dict) and isinstance(template.get("message"), str):
-        return [data_template_message(m, roles) for m in msgs]
-    return msgs
+    if is_jinja(template):
+        return msgs
+    return [data_template_message(m, template["roles"]) for m in msgs]
