@@ -344,6 +344,7 @@ def _load_tokenizer(root: Path, manifest: dict[str, Any], config: GPTConfig) -> 
             f"{tok_path}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
             f"vocab_size is {config.vocab_size}"
         )
+    _check_vocab_text(tok_path, tokenizer)
     # config.json describes the tokenizer too: a disagreement means the files do not belong together.
     described = manifest["tokenizer"]
     actual = {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}
@@ -354,6 +355,19 @@ def _load_tokenizer(root: Path, manifest: dict[str, Any], config: GPTConfig) -> 
                 f"has {value!r}"
             )
     return tokenizer
+
+
+def _check_vocab_text(tok_path: Path, tokenizer: Tokenizer) -> None:
+    """Every entry of a char or word vocabulary must encode as UTF-8: JSON admits a lone surrogate
+    ("\\ud800"), which would fail every response that draws its token. (A BPE vocabulary's JSON is
+    parsed by `tokenizers`, which refuses one.)"""
+    for i, piece in enumerate(getattr(tokenizer, "vocab", None) or ()):
+        try:
+            piece.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise CheckpointError(
+                f"{tok_path}: vocabulary entry {i} ({piece!r}) is not valid Unicode text ({e.reason})"
+            ) from None
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:

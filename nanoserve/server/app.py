@@ -3,8 +3,8 @@
 Layout of a request (outermost first): RequestContextMiddleware (arrival time, X-Request-Id,
 access log) -> the metrics middleware -> ErrorDialects (each API family's error shape) -> CORS
 (only when origins are configured) -> HeaderLimitMiddleware (431) -> DrainGate (503 while
-shutting down) -> BodyLimitMiddleware (413) -> HeadAsGet (HEAD on GET routes) -> ApiKeyGate
-(401, when keys are set) -> FastAPI (routes, the shared error handlers of nanoserve/server/http/errors.py).
+shutting down) -> ApiKeyGate (401, when keys are set) -> BodyLimitMiddleware (413) -> HeadAsGet
+(HEAD on GET routes) -> FastAPI (routes, the shared error handlers of nanoserve/server/http/errors.py).
 The OpenAPI document is completed by nanoserve/server/api/docs.py (shared error statuses, SSE events).
 
 Integration points for other modules:
@@ -186,12 +186,12 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     _include_routers(app)
     install_openapi(app)
     # add_middleware wraps: the last one added is the outermost.
-    if settings.api_keys:  # before anything reads the body (nanoserve/server/http/auth.py)
-        app.add_middleware(ApiKeyGate, keys=app.state.api_keys,
-                           metrics_require_auth=settings.metrics_require_auth)
     app.add_middleware(HeadAsGet)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
                        timeout_s=settings.body_timeout)
+    if settings.api_keys:  # before the body is read or its size judged (nanoserve/server/http/auth.py)
+        app.add_middleware(ApiKeyGate, keys=app.state.api_keys,
+                           metrics_require_auth=settings.metrics_require_auth)
     app.add_middleware(DrainGate, is_draining=app.state.lifecycle.is_draining)
     app.add_middleware(HeaderLimitMiddleware, max_bytes=settings.max_header_bytes,
                        max_count=settings.max_headers)

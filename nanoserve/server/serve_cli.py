@@ -83,6 +83,7 @@ def _describe(e: ValidationError) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from nanoserve.engine.memory_plan import check_memory
     from nanoserve.engine.threads import single_threaded_elsewhere
     from nanoserve.model.chat_template import ChatTemplateError
     from nanoserve.model.checkpoint import CheckpointError, load_checkpoint, with_chat_template_file
@@ -99,8 +100,10 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValidationError as e:
         return _fail(_describe(e))
     try:
-        engine_config(settings)  # device/dtype combinations, fault spec: fail before loading anything
+        engine = engine_config(settings)  # device/dtype, fault spec: fail before loading anything
         checkpoint = load_checkpoint(settings.checkpoint)
+        # The KV cache and the engine's other buffers against memory, before any is allocated.
+        check_memory(checkpoint.config, engine, engine.window_for(checkpoint.config.block_size))
         if settings.chat_template is not None:
             checkpoint = with_chat_template_file(checkpoint, settings.chat_template)
     except CheckpointError as e:

@@ -143,3 +143,16 @@ def test_a_chat_template_that_cannot_serve_stops_the_start_with_one_line(
     assert status == 2
     assert err.count("\n") == 1 and err.startswith(f"nanoserve serve: error: --chat-template {path}: ")
     assert says in err and "Traceback" not in err, err
+
+
+async def test_a_conversation_the_template_refuses_is_a_400_in_its_words(imported: Path) -> None:
+    async with asgi_client(imported, chat_template=TEMPLATES / "mistral.jinja") as client:
+        sdk = _sdk(client)
+        with pytest.raises(openai.BadRequestError) as info:
+            await sdk.chat.completions.create(model="chatml", messages=MESSAGES)  # type: ignore[arg-type]
+        ok = await sdk.chat.completions.create(model="chatml", messages=MESSAGES[1:],  # type: ignore[arg-type]
+                                               max_tokens=1)
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == "messages"
+    assert "Conversation roles must alternate user/assistant/user/assistant/..." in body["message"]
+    assert ok.choices[0].finish_reason is not None
