@@ -96,6 +96,24 @@ def test_openai_sdk_stream_helper_final_message_goes_back(client: openai.OpenAI)
     assert client.chat.completions.create(messages=messages, **sampling).choices
 
 
+def test_openai_sdk_parse_message_goes_back(client: openai.OpenAI) -> None:
+    """`chat.completions.parse(response_format=<pydantic model>)` returns a message whose `parsed`
+    holds the object; appended as it is, the next turn is served."""
+    from pydantic import BaseModel, Field
+
+    class Digit(BaseModel):
+        n: int = Field(ge=0, le=9)
+
+    messages: list[Any] = [{"role": "user", "content": "A digit?"}]
+    for turn in range(2):
+        resp = client.chat.completions.parse(model="any", messages=messages, response_format=Digit,
+                                             max_tokens=40, seed=turn)
+        message = resp.choices[0].message
+        assert isinstance(message.parsed, Digit)
+        assert Digit.model_validate_json(message.content or "") == message.parsed
+        messages += [message, {"role": "user", "content": "Another?"}]
+
+
 def test_tool_call_turns_render_into_the_prompt(client: openai.OpenAI) -> None:
     """An assistant turn with content null and tool_calls, then the tool's result: the calls are
     written into the assistant's turn (one JSON object per line) and the result is a user turn
