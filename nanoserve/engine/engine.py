@@ -11,9 +11,10 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Awaitable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -27,12 +28,14 @@ from nanoserve.engine.embeddings import Embeddings
 from nanoserve.engine.grammar import Constraint, Grammars
 from nanoserve.engine.ids import new_id, new_seed
 from nanoserve.engine.inbox import Inbox
+from nanoserve.engine.memory_plan import check_memory
 from nanoserve.engine.request import Request
 from nanoserve.engine.runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler, StepResult
 from nanoserve.engine.stream import GenerationStream
 from nanoserve.engine.threads import default_cpu_threads
 from nanoserve.engine.types import (
+    Draining,
     EngineError,
     EngineObserver,
     EngineStats,
@@ -49,6 +52,7 @@ from nanoserve.model.checkpoint import Checkpoint, load_checkpoint
 from nanoserve.model.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Engine:
@@ -62,6 +66,8 @@ class Engine:
         self.observer: EngineObserver = observer or NullObserver()
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.window = config.window_for(checkpoint.config.block_size)
+        # Before any of the engine's buffers: what does not fit is one line naming its size's fields.
+        check_memory(checkpoint.config, config, self.window)
         self.device = config.resolved_device()
         native = config.backend != "torch" and native_unavailable(config) is None
         self.dtype_slowdown = 1.0  # this dtype's matmul time over float32's, on a CPU
@@ -97,6 +103,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._draining = False
+        self._drain_begun = asyncio.Event()  # set with _draining, for the event loop's waits
         self._warm = False
         self._crashed: str | None = None
         self._unfinished = 0  # accepted requests whose final event is not out yet
@@ -144,6 +151,7 @@ class Engine:
         """Stop admitting; let accepted requests finish for up to `drain_timeout` seconds; then
         end the rest with an error event and stop the thread."""
         self._draining = True
+        self._drain_begun.set()
         end = time.monotonic() + max(0.0, drain_timeout)
         while ((self._unfinished > 0 or self.embeddings.unfinished) and time.monotonic() < end
                and self.health()):
@@ -199,13 +207,26 @@ class Engine:
             if params.grammar is not None:  # compiled now, off the event loop: a bad grammar is refused
                 grammar, where = params.grammar, params.grammar_param
                 # One matcher a choice: each advances with its own tokens.
-                constraints = list(await asyncio.to_thread(
-                    lambda: [self.grammars.constraint(grammar, where) for _ in range(n)]))
+                constraints = list(await self._unless_drained(asyncio.to_thread(
+                    lambda: [self.grammars.constraint(grammar, where) for _ in range(n)])))
             return self._submit(prompt, params, request_id or new_id(), stream_interval, client, n,
                                 constraints)
         except EngineError as e:
             self._safe(self.observer.on_rejected, e.code)
             raise
+
+    async def _unless_drained(self, work: Awaitable[T]) -> T:
+        """`work`'s result, or Draining as soon as a drain begins: a request still compiling its
+        grammar is not yet accepted, and the drain does not wait for it."""
+        task, drained = asyncio.ensure_future(work), asyncio.ensure_future(self._drain_begun.wait())
+        try:
+            await asyncio.wait((task, drained), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drained.cancel()
+        if not task.done():
+            task.cancel()  # its thread finishes alone; the result is dropped
+            raise Draining("the server is shutting down")
+        return task.result()
 
     def check_admission(self, client: str | None = None) -> None:
         """Raise what `generate` would for the engine's state alone (not running, shutting down,
@@ -220,7 +241,7 @@ class Engine:
         if self._thread is None or self._stop or not self.health():
             raise NotReady("the engine is not running")
         if self._draining:
-            raise NotReady("the engine is shutting down")
+            raise Draining("the engine is shutting down")
         admission.check_queue_room(self._waiting, self.scheduler.free_slots, self.config, client,
                                    self.expected_wait_s)
 

@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from nanoserve.engine.config import EngineConfig
-from nanoserve.engine.prefix_cache import PrefixCache
+from nanoserve.engine.prefix_cache import PrefixCache, tenant_of
 from nanoserve.engine.request import Request
 from nanoserve.engine.step_plan import (
     CopyPrefix,
@@ -73,7 +73,7 @@ class Scheduler:
         # Prompt prefix reuse (prefix_cache.py). Deterministic mode promises the same bits whatever
         # the batch: a backend whose numbers depend on the forward's shape cannot keep it with reuse.
         reuse = config.prefix_cache and (not config.deterministic or batch_invariant)
-        self.prefix = PrefixCache(enabled=reuse)
+        self.prefix = PrefixCache(enabled=reuse, shared=config.prefix_cache_shared)
         self._slot_ops: list[SlotOp] = []  # for the next plan, in order
 
     def fits(self, req: Request) -> bool:
@@ -91,7 +91,7 @@ class Scheduler:
             self._seat(req, self.prefix.cheapest(self.free_slots), now)
         else:
             # Placed where the longest prefix of its context is cached (prefix_cache.py).
-            place = self.prefix.place(req.ctx, self.free_slots, self.running)
+            place = self.prefix.place(req.ctx, self.free_slots, self.running, tenant_of(req))
             if place.source is not None:
                 self._slot_ops.append(CopyPrefix(place.source, place.slot, place.reuse))
             self._seat(req, place.slot, now)
@@ -112,7 +112,7 @@ class Scheduler:
         remembers the tokens its cache holds for a later prompt to reuse."""
         if req.slot >= 0:
             if reusable:
-                self.prefix.remember(req.slot, req.ctx[: req.n_cached])
+                self.prefix.remember(req.slot, req.ctx[: req.n_cached], tenant_of(req))
             else:
                 self.prefix.forget(req.slot)
             self.free_slots.append(req.slot)

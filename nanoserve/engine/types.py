@@ -59,6 +59,9 @@ class SamplingParams:
     # (and scored) and nothing generated.
     echo: bool = False
     prompt_logprobs: int | None = None
+    # Prefix reuse (prefix_cache.py) with the requests naming the same salt (vLLM's cache_salt),
+    # whatever their client, instead of with the requests of the same client.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,12 @@ class NotReady(EngineError):
     """Not warmed up yet, or draining / shut down (HTTP 503)."""
 
     code = "not_ready"
+
+
+class Draining(NotReady):
+    """The engine is shutting down: it admits nothing more (HTTP 503, as the server's drain gate)."""
+
+    code = "draining"
 
 
 class InvalidRequest(EngineError):

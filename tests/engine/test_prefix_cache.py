@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from nanoserve.engine.engine import Engine
-from nanoserve.engine.prefix_cache import Placement, PrefixCache, common_prefix
+from nanoserve.engine.prefix_cache import Placement, PrefixCache, common_prefix, tenant_of
 from nanoserve.engine.request import Request
 from nanoserve.engine.types import FinishReason, SamplingParams, TokenEvent
 from nanoserve.model.checkpoint import Checkpoint, load_checkpoint
@@ -39,8 +39,10 @@ def test_common_prefix() -> None:
         assert common_prefix(a, [*a[:k], -1, *a[k + 1 :]], 1000) == k
 
 
-def _running(slot: int, ctx: list[int], n_cached: int) -> Request:
-    return SimpleNamespace(slot=slot, ctx=ctx, n_cached=n_cached)  # type: ignore[return-value]
+def _running(slot: int, ctx: list[int], n_cached: int, client: str | None = None,
+             salt: str | None = None) -> Request:
+    return SimpleNamespace(slot=slot, ctx=ctx, n_cached=n_cached, client=client,  # type: ignore[return-value]
+                           params=SamplingParams(cache_salt=salt))
 
 
 def test_a_follow_up_takes_the_slot_whose_whole_content_leads_it() -> None:
@@ -90,6 +92,39 @@ def test_a_running_sequence_is_copied_from_never_taken() -> None:
     cache = PrefixCache(enabled=True)
     busy = _running(3, [1, 2, 3, 4, 5], n_cached=4)  # its last token is not in its cache yet
     assert cache.place([1, 2, 3, 4, 5, 6], [0, 1], [busy]) == Placement(0, 4, source=3)
+
+
+A, B = ("client", "key:a"), ("client", "key:b")
+
+
+def test_a_prefix_is_reused_only_by_the_tenant_that_left_it() -> None:
+    cache = PrefixCache(enabled=True)
+    cache.remember(0, [1, 2, 3, 4], A)
+    # B's probe shares A's tokens but not A's tenant: a cold slot, nothing reused or counted.
+    assert cache.place([1, 2, 3, 4, 5], [0, 1], [], B) == Placement(1)
+    assert (cache.hits, cache.reused_tokens) == (0, 0)
+    assert cache.held(0) == [1, 2, 3, 4]  # and A's slot stays warm for A
+    assert cache.place([1, 2, 3, 4, 5], [0, 1], [], A) == Placement(0, 4)
+    # A running sequence is copied from by its own tenant only.
+    cache = PrefixCache(enabled=True)
+    busy = _running(3, [1, 2, 3, 4, 5], n_cached=4, client="key:a")
+    assert cache.place([1, 2, 3, 9], [0, 1], [busy], B) == Placement(0)
+    assert cache.place([1, 2, 3, 9], [0, 1], [busy], A) == Placement(0, 3, source=3)
+
+
+def test_a_salt_shares_across_clients_and_only_with_itself() -> None:
+    salted = _running(3, [1, 2, 3, 4, 5], n_cached=4, client="key:a", salt="team")
+    cache = PrefixCache(enabled=True)
+    assert tenant_of(salted) == ("salt", "team")
+    assert cache.place([1, 2, 3, 9], [0], [salted], ("salt", "team")) == Placement(0, 3, source=3)
+    assert cache.place([1, 2, 3, 9], [0], [salted], A) == Placement(0)  # its own client, unsalted
+    assert cache.place([1, 2, 3, 9], [0], [salted], ("salt", "other")) == Placement(0)
+
+
+def test_shared_reuses_across_tenants() -> None:
+    cache = PrefixCache(enabled=True, shared=True)
+    cache.remember(0, [1, 2, 3, 4], A)
+    assert cache.place([1, 2, 3, 4, 5], [0, 1], [], B) == Placement(0, 4)
 
 
 def test_disabled_reuses_nothing_and_forgets_everything() -> None:
@@ -286,3 +321,28 @@ async def test_rotary_positions_reuse_a_prefix_at_its_positions(
     _same(*first, backend)
     _same(*second, backend)
     assert engines[0].stats().extra["prefix_cache_reused_tokens_total"] == len("Hi there") + 8 - 1
+
+
+async def _first_turn(engine: Engine, prompt: str, client: str, salt: str | None = None) -> None:
+    params = SamplingParams(max_new_tokens=2, cache_salt=salt, **GREEDY)
+    stream = await engine.generate(prompt, params, client=client)
+    assert [e async for e in stream][-1].finish_reason is FinishReason.LENGTH
+
+
+async def test_the_engine_reuses_a_prefix_within_a_client_or_a_salt_only(
+    make_engine: EngineFactory, wide: Checkpoint
+) -> None:
+    engine = make_engine(wide, max_seqs=4)
+    secret = "The PIN of the vault is 48213975. Keep it safe."
+    await _first_turn(engine, secret, "key:a")
+    await _first_turn(engine, secret[:25] + "9 and more", "key:b")  # another client's probe
+    assert engine.stats().extra["prefix_cache_reused_tokens_total"] == 0
+    await _first_turn(engine, secret[:25] + "9 and more", "key:a")  # the same client's
+    assert engine.stats().extra["prefix_cache_reused_tokens_total"] == 25
+    await _first_turn(engine, secret, "key:c", salt="s")
+    await _first_turn(engine, secret, "key:d", salt="s")  # a shared salt: reused across clients
+    assert engine.stats().extra["prefix_cache_reused_tokens_total"] == 25 + len(secret) - 1
+    shared = make_engine(wide, max_seqs=4, prefix_cache_shared=True)
+    await _first_turn(shared, secret, "key:a")
+    await _first_turn(shared, secret[:25] + "9 and more", "key:b")
+    assert shared.stats().extra["prefix_cache_reused_tokens_total"] == 25

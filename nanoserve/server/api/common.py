@@ -14,6 +14,11 @@ STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 # A non-negative integer that fits the engine's seed (u64 in TGI; 63 bits keep torch happy).
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
+# vLLM's cache_salt: requests naming the same salt share their cached prompt prefixes, whatever
+# their client (nanoserve/engine/prefix_cache.py); without one a prefix is reused by its client only.
+CacheSalt = Annotated[str, Field(min_length=1, max_length=256, description=(
+    "Prompt prefixes cached by requests with this salt are reused by requests with the same salt "
+    "only (vLLM's field); without one, by the same client only (API key or address)."))]
 MAX_STOP_LENGTH = 256  # characters in one stop string
 # The largest count or length a request may give: the engine hands them to C ints and int64
 # tensors, and a larger value is a 422 here instead of an overflow inside a batch's step.

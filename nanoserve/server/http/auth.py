@@ -11,9 +11,10 @@ which carry no data and no generation:
 Those are open for GET and HEAD only. Anything else, an unknown path included, is 401 without a
 valid key, so a route's existence is not disclosed to callers without one.
 
-The check is an ASGI middleware (`ApiKeyGate`), so it runs before anything reads the request's
-body: a caller without a key gets 401, never a 422 about a body it should not have been able to
-send. `require_api_key` only declares the scheme in the OpenAPI document.
+The check is an ASGI middleware (`ApiKeyGate`) outside the body's limits, so it runs before
+anything reads the request's body or judges its size: a caller without a key gets 401, never a 413
+or a 422 about a body it should not have been able to send. `require_api_key` only declares the
+scheme in the OpenAPI document.
 Keys are never logged: settings hold them as `SecretStr` and failures do not echo the header.
 """
 

@@ -101,6 +101,7 @@ def sampling_params(p: GenerateParameters, settings: Settings) -> SamplingParams
         stop=tuple(p.stop or ()),
         keep_stop=True,  # TGI's generated_text ends with the stop sequence
         seed=p.seed,
+        cache_salt=p.cache_salt,
         logprobs=True,  # TGI reports every token's logprob
         top_n_tokens=p.top_n_tokens or 0,
         truncate=p.truncate,

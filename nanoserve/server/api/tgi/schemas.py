@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from nanoserve.server.api.common import MAX_COUNT, MAX_STOP_LENGTH, STRICT, Seed
+from nanoserve.server.api.common import MAX_COUNT, MAX_STOP_LENGTH, STRICT, CacheSalt, Seed
 from nanoserve.server.api.structured import tgi_grammar
 
 FinishReasonName = Literal["length", "eos_token", "stop_sequence"]
@@ -54,6 +54,7 @@ class GenerateParameters(BaseModel):
         "`generated_text` keeps (as TGI's does)."
     )
     seed: Seed | None = Field(default=None, description="Same seed + same request = same tokens.")
+    cache_salt: CacheSalt | None = None
     details: bool = Field(
         default=False, description="Return `details` (finish reason, tokens, logprobs, seed)."
     )

@@ -1,0 +1,112 @@
+"""The engine's large allocations, sized from the model's config and the engine's settings, and
+checked against the memory this process may use before any of them is made.
+
+A config's sizes are bounded one by one (nanoserve/model/config.py's SIZE_LIMITS), but their
+products are what is allocated: `block_size` 1048576 on a rotary model is a legal window whose
+KV cache, max_seqs x 2^20 positions, is tens of GiB. Allocated blindly it fails late (a
+traceback, exit 3) or, under overcommit, takes the host down. `check_memory` says instead, in one
+line, what does not fit, how big it is, and the setting or config field that makes it so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nanoserve.engine.config import EngineConfig
+from nanoserve.model.config import GPTConfig
+
+GIB = 1 << 30
+# Room kept for what is not planned here: the interpreter, torch's own buffers, requests' state.
+HEADROOM = 0.9
+
+
+@dataclass(frozen=True)
+class Allocation:
+    what: str  # "the KV cache"
+    nbytes: int
+    because: str  # the sizes it is the product of, the fields named
+
+
+def _element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def planned(model: GPTConfig, config: EngineConfig, window: int) -> list[Allocation]:
+    """The allocations an engine with `config` makes for `model`, besides the weights (which the
+    checkpoint already holds), largest first."""
+    slots, kv_bytes = config.max_seqs, _element_bytes(config.torch_kv_dtype)
+    capped = config.max_context is not None and config.max_context < model.block_size
+    window_from = f"--max-context {config.max_context}" if capped else f"block_size {model.block_size}"
+    kv = 2 * model.n_layer * slots * model.kv_heads * window * model.head_dim * kv_bytes
+    plan = [Allocation(
+        "the KV cache", kv,
+        f"2 x n_layer {model.n_layer} x max_seqs {slots} x kv heads {model.kv_heads} x window {window} "
+        f"({window_from}) x head_dim {model.head_dim} x {kv_bytes} bytes",
+    )]
+    if model.positions == "rope":
+        # torch's tables cover block_size positions, built in float64 (angles, cos, sin) then kept
+        # in float32; the native step's cover the window in float32.
+        rope = model.block_size * model.head_dim * (3 * 8 + 2 * 4)
+        plan.append(Allocation("the rotary tables", rope,
+                               f"block_size {model.block_size} x head_dim {model.head_dim} x 32 bytes"))
+    rows = max(config.max_seqs, config.prefill_budget, config.idle_prefill_budget)
+    plan.append(Allocation("the logits of one step", rows * model.vocab_size * 4,
+                           f"rows {rows} (max_seqs, prefill budgets) x vocab_size {model.vocab_size} "
+                           "x 4 bytes"))
+    plan.append(Allocation("the penalty counts", slots * model.vocab_size * 5,
+                           f"max_seqs {slots} x vocab_size {model.vocab_size} x 5 bytes"))
+    return sorted(plan, key=lambda a: -a.nbytes)
+
+
+def available_bytes(device: str) -> int | None:
+    """Memory this process may still allocate on `device` (None: unknown). On a CPU the lower of
+    the kernel's MemAvailable and what the cgroup's limit leaves."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    found = [v for v in (_meminfo_available(), _cgroup_left()) if v is not None]
+    return min(found) if found else None
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _cgroup_left() -> int | None:
+    root = Path("/sys/fs/cgroup")
+    try:
+        limit = (root / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(0, int(limit) - int((root / "memory.current").read_text().strip()))
+    except (OSError, ValueError):
+        return None
+
+
+def check_memory(model: GPTConfig, config: EngineConfig, window: int, available: int | None = None) -> None:
+    """Raise ValueError (one line) when the planned allocations do not fit the memory left
+    (`available`, default: measured now on the engine's device; unknown: nothing is checked)."""
+    if available is None:
+        available = available_bytes(config.resolved_device())
+    if available is None:
+        return
+    plan = planned(model, config, window)
+    total = sum(a.nbytes for a in plan)
+    if total <= available * HEADROOM:
+        return
+    big = plan[0]
+    raise ValueError(
+        f"{big.what} would take {big.nbytes / GIB:.1f} GiB ({big.because}); with the engine's other "
+        f"buffers {total / GIB:.1f} GiB, more than the {available / GIB:.1f} GiB of memory available: "
+        "lower --max-context or --max-seqs, or fix the checkpoint's block_size"
+    )
+
