@@ -155,12 +155,6 @@ class EngineConfig:
         False, "Reuse a cached prompt prefix across clients (API keys, addresses): a shared system "
         "prompt is prefilled once for all, but one client's time to first token then tells whether "
         "another sent a prompt. Off: only within a client, or a request's cache_salt.")
-    # Reused only within a tenant by default (prefix_cache.py): a hit is faster than a miss, so
-    # a cache shared across clients tells one of them what prompts another sent.
-    prefix_cache_shared: bool = setting(
-        False, "Reuse a cached prompt prefix across clients (API keys, addresses): a shared system "
-        "prompt is prefilled once for all, but one client's time to first token then tells whether "
-        "another sent a prompt. Off: only within a client, or a request's cache_salt.")
     # CPU threads the engine thread may use (None: OMP_NUM_THREADS, else every CPU this process
     # may run on). Other threads stay single-threaded (see threads.py).
     cpu_threads: int | None = setting(
