@@ -177,6 +177,23 @@ def test_previous_response_id_continues_the_conversation(client: openai.OpenAI) 
         client.responses.retrieve(unstored.id)
 
 
+def test_item_references_name_stored_replies_as_the_ai_sdk_sends_them(client: openai.OpenAI) -> None:
+    # The Vercel AI SDK's provider (@ai-sdk/openai 3.x) sends a stored reply back as a reference.
+    first = client.responses.create(model="tiny-test", input="A", max_output_tokens=3, temperature=0)
+    body = {"model": "tiny-test", "max_output_tokens": 3, "temperature": 0,
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "A"}]},
+                      {"type": "item_reference", "id": first.output[0].id},
+                      {"role": "user", "content": [{"type": "input_text", "text": "B"}]}]}
+    second = client.post("/responses", body=body, cast_to=dict)
+    messages = [{"role": "user", "content": "A"}, {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "B"}]
+    assert second["output"][0]["content"][0]["text"] == _chat(client, messages, 3)
+    body["input"][1]["id"] = "msg_unknown"
+    with pytest.raises(openai.BadRequestError, match="msg_unknown") as info:
+        client.post("/responses", body=body, cast_to=dict)
+    assert isinstance(info.value.body, dict) and info.value.body["code"] == "item_not_found"
+
+
 BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", "tool calling"),
     ({"tool_choice": "required"}, "tool_choice", "tool calling"),
@@ -279,11 +296,14 @@ def test_the_store_bound_in_bytes() -> None:
     store = ResponseStore(max_entries=100, max_bytes=1000)
     message = {"role": "user", "content": "x" * 300}
     for i in range(4):
-        assert store.put("k", {"id": f"r{i}"}, [message])
+        assert store.put("k", {"id": f"r{i}", "output": [{"id": f"m{i}"}]}, [message])
     assert store.bytes <= 1000 and store.get("k", "r0") is None and store.get("k", "r3") is not None
-    assert not store.put("k", {"id": "huge"}, [{"role": "user", "content": "x" * 1000}])  # over alone
+    assert store.item("k", "m0") is None and store.item("k", "m3") == {"id": "m3"}  # items go with it
+    assert store.item("other", "m3") is None
+    huge = [{"role": "user", "content": "x" * 1000}]
+    assert not store.put("k", {"id": "huge", "output": []}, huge)  # over the bound alone: not kept
     assert store.get("k", "huge") is None and store.get("k", "r3") is not None
-    assert not ResponseStore(max_entries=0, max_bytes=1000).put("k", {"id": "r"}, [message])
+    assert not ResponseStore(max_entries=0, max_bytes=1000).put("k", {"id": "r", "output": []}, [message])
 
 
 @pytest.mark.timeout(120)

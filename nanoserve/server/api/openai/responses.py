@@ -21,7 +21,12 @@ from nanoserve.engine.types import SamplingParams
 from nanoserve.model.chat_template import ChatTemplateError, render_chat, template_stop_sequences
 from nanoserve.server.api.common import ErrorResponse
 from nanoserve.server.api.openai.responses_format import Draft, ResponseEvents
-from nanoserve.server.api.openai.responses_schemas import DeletedResponse, ResponseObject, ResponsesRequest
+from nanoserve.server.api.openai.responses_schemas import (
+    DeletedResponse,
+    ResponseObject,
+    ResponsesRequest,
+    item_message,
+)
 from nanoserve.server.api.openai.responses_store import ResponseStore
 from nanoserve.server.api.openai.routes import DROPPED_HEADER, _fit_window, _served_model
 from nanoserve.server.deps import EngineDep, SettingsDep
@@ -72,6 +77,18 @@ def _history(request: Request, previous_id: str | None) -> list[dict[str, Any]]:
     return [dict(m) for m in entry.conversation]
 
 
+def _resolved(request: Request, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input's messages, each `item_reference` replaced by the stored output item it names."""
+    out = []
+    for message in messages:
+        ref = message.get("item_reference")
+        item = _store(request).item(_owner(request), ref) if ref is not None else None
+        if ref is not None and item is None:
+            raise APIError(400, f"Item with id '{ref}' not found.", code="item_not_found", param="input")
+        out.append(item_message(0, item) if item is not None else message)
+    return [m for m in out if m is not None]
+
+
 def _sampling_params(body: ResponsesRequest, settings: Settings, stop: list[str]) -> SamplingParams:
     limit = body.max_output_tokens or settings.default_max_new_tokens
     check_limits(settings, max_new_tokens=("max_output_tokens", limit))
@@ -105,7 +122,7 @@ async def create_response(body: ResponsesRequest, request: Request, response: Re
                           settings: SettingsDep) -> Response | ResponseObject:
     """A model response to text or message items (OpenAI's Responses API), through the chat template."""
     owner = _owner(request)
-    conversation = [*_history(request, body.previous_response_id), *body.input_messages()]
+    conversation = [*_history(request, body.previous_response_id), *_resolved(request, body.input_messages())]
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     params = _sampling_params(body, settings, template_stop_sequences(engine.checkpoint.chat_template))
     prompt, dropped = await _prompt(request, engine, settings, body, [*system, *conversation], params)

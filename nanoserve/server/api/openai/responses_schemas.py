@@ -68,7 +68,8 @@ def _part_text(where: str, part: Any) -> str:
 
 def item_message(i: int, item: Any) -> dict[str, Any] | None:
     """Input item `i` as the chat template's message (None for an item that renders as nothing:
-    a reasoning item, which this server never produces and a model without reasoning ignores)."""
+    a reasoning item, which this server never produces and a model without reasoning ignores;
+    `{"item_reference": id}` for a stored item the route looks up)."""
     where = f"input[{i}]"
     if not isinstance(item, dict):
         raise _bad(f"{where} must be an object (a message item)")
@@ -78,7 +79,9 @@ def item_message(i: int, item: Any) -> dict[str, Any] | None:
     if kind == "reasoning":
         return None
     if kind == "item_reference":
-        raise _unsupported(f"{where}.type 'item_reference'", "send the item itself, or previous_response_id")
+        if set(item) != {"type", "id"} or not isinstance(item["id"], str):
+            raise _bad(f'{where} must be {{"type": "item_reference", "id": "<item id>"}}')
+        return {"item_reference": item["id"]}  # resolved from the store by the route
     if kind != "message":
         raise _bad(f"{where}.type must be 'message', got {kind!r}")
     extra = sorted(set(item) - _MESSAGE_KEYS)

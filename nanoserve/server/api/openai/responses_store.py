@@ -4,6 +4,8 @@ for `previous_response_id`, bounded by count and by bytes, least recently used f
 Each entry holds the response object as it was answered and the conversation it ended (every
 message before it, its input and its reply, instructions left out as OpenAI leaves them out), so a
 follow-up needs only this one entry: evicting an older turn never breaks a later one's chain.
+Its output items can also be named alone (`item_reference` input items, as the AI SDK sends a
+past reply).
 Entries belong to the caller that made them (its API key's hash, nanoserve/server/streaming/clients.py):
 another key asking for the id is told it does not exist. Nothing survives a restart.
 """
@@ -37,6 +39,7 @@ class ResponseStore:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
+        self._items: dict[tuple[str, str], str] = {}  # (owner, output item id) -> its response's id
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -58,6 +61,8 @@ class ResponseStore:
             self._pop((owner, response["id"]))
             self._entries[(owner, response["id"])] = entry
             self._bytes += size
+            for item in response["output"]:
+                self._items[(owner, item["id"])] = response["id"]
             while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
                 self._pop(next(iter(self._entries)))
         return True
@@ -70,6 +75,15 @@ class ResponseStore:
                 self._entries.move_to_end((owner, response_id))
             return entry
 
+    def item(self, owner: str, item_id: str) -> dict[str, Any] | None:
+        """An output item of one of the owner's stored responses, by its id (what OpenAI's
+        `item_reference` input names), else None."""
+        response_id = self._items.get((owner, item_id))
+        entry = self.get(owner, response_id) if response_id is not None else None
+        if entry is None:
+            return None
+        return next((i for i in entry.response["output"] if i["id"] == item_id), None)
+
     def delete(self, owner: str, response_id: str) -> bool:
         with self._lock:
             return self._pop((owner, response_id)) is not None
@@ -78,4 +92,6 @@ class ResponseStore:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._bytes -= entry.size
+            for item in entry.response["output"]:
+                self._items.pop((key[0], item["id"]), None)
         return entry
