@@ -18,12 +18,14 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
+from pydantic import SecretStr
 
 from nanoserve.engine.embeddings import EmbeddingJob
 from nanoserve.model.checkpoint import Checkpoint, load_checkpoint
 from nanoserve.model.config import GPTConfig
 from nanoserve.model.gpt import GPT
 from nanoserve.server.api.openai.embeddings import MAX_INPUTS
+from tests.conftest import require_module
 from tests.server.asgi import asgi_client
 from tests.server.conftest import OPENAI_API_KEY
 from tests.server.doc_text import blocks
@@ -247,3 +249,19 @@ async def test_shutdown_drains_or_ends_accepted_embedding_requests(tiny_checkpoi
         assert r.status_code == (200 if drain_s else 503), r.text
         late = await client.post("/v1/embeddings", json={"input": "x"})
         assert late.status_code == 503
+
+
+def test_langchain_openai_embeddings(openai_server: ServerProcess, reference: tuple[Checkpoint, GPT]) -> None:
+    """LangChain's OpenAIEmbeddings, as a RAG pipeline builds it (texts sent as text: its default
+    turns them into tiktoken's ids for OpenAI's models, which are not this model's)."""
+    require_module("langchain_openai")
+    from langchain_openai import OpenAIEmbeddings
+
+    embedder = OpenAIEmbeddings(model="any", base_url=openai_server.base_url + "/v1",
+                                api_key=SecretStr(OPENAI_API_KEY), check_embedding_ctx_length=False,
+                                max_retries=0)
+    docs = embedder.embed_documents(TEXTS)
+    query = embedder.embed_query(TEXTS[1])
+    want = torch.stack([pooled(reference, t) for t in TEXTS])
+    torch.testing.assert_close(as_tensor(docs), want, rtol=1e-4, atol=1e-5)
+    assert query == docs[1]
