@@ -126,6 +126,14 @@ CASES = [
          resp(text={"format": {"type": "json_schema", "name": "s"}}), 400, r"schema"),
     Case("responses: max_output_tokens is a bool", "/v1/responses", resp(max_output_tokens=True), 400,
          r"max_output_tokens"),
+    Case("embeddings: unknown field", "/v1/embeddings", {"input": "x", "frobnicate": 1}, 400, r"frobnicate"),
+    Case("embeddings: input is a number", "/v1/embeddings", {"input": 5}, 400, r"input"),
+    Case("embeddings: empty input list", "/v1/embeddings", {"input": []}, 400, r"input.*empty"),
+    Case("embeddings: token id outside the vocabulary", "/v1/embeddings", {"input": [10**9]}, 400,
+         r"token id"),
+    Case("embeddings: dimensions", "/v1/embeddings", {"input": "x", "dimensions": 3}, 400, r"dimensions"),
+    Case("embeddings: character outside the vocabulary", "/v1/embeddings", {"input": ["ok", "\u65e5"]}, 400,
+         r"\u65e5|u\+65e5"),
 ]
 
 
