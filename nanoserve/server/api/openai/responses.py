@@ -11,7 +11,6 @@ scoped to the caller's API key.
 
 from __future__ import annotations
 
-import secrets
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -128,9 +127,7 @@ async def create_response(body: ResponsesRequest, request: Request, response: Re
     prompt, dropped = await _prompt(request, engine, settings, body, [*system, *conversation], params)
     headers = {DROPPED_HEADER: str(dropped)} if dropped else {}
     gen = await start_generation(request, engine, prompt, params, param="input")
-    # Unguessable ids (the engine's new_id is unique, not unpredictable): on a server without
-    # keys, the id is what keeps one caller's stored conversation from another.
-    draft = Draft(id=f"resp_{secrets.token_hex(24)}", model=_served_model(engine), request=body)
+    draft = Draft(model=_served_model(engine), request=body)
 
     def keep(final: ResponseObject) -> None:
         if body.stored():

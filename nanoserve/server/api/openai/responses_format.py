@@ -15,12 +15,12 @@ no `[DONE]`: OpenAI's Responses streams end with the last event.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanoserve.engine.ids import new_id
 from nanoserve.engine.types import FinishReason, TokenEvent
 from nanoserve.server.api.openai.responses_schemas import (
     OutputMessage,
@@ -32,15 +32,22 @@ from nanoserve.server.api.openai.responses_schemas import (
 from nanoserve.server.streaming.sse import sse_event
 
 
+def _unguessable(prefix: str) -> str:
+    # From the OS, not the engine's new_id (unique, not unpredictable): on a server without API
+    # keys a stored response's id, or its message's (`item_reference`), is what keeps one
+    # caller's conversation from another.
+    return f"{prefix}_{secrets.token_hex(24)}"
+
+
 @dataclass
 class Draft:
     """What a response says before its text is known: its identity and the request's settings,
     echoed as OpenAI echoes them."""
 
-    id: str
     model: str
     request: ResponsesRequest
-    item_id: str = field(default_factory=lambda: f"msg_{new_id()}")
+    id: str = field(default_factory=lambda: _unguessable("resp"))
+    item_id: str = field(default_factory=lambda: _unguessable("msg"))
     created_at: int = field(default_factory=lambda: int(time.time()))
 
     def response(self, status: str, output: list[OutputMessage], usage: ResponseUsage | None = None,
