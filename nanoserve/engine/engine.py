@@ -23,6 +23,7 @@ from nanoserve.engine.backends import factory
 from nanoserve.engine.backends.factory import native_unavailable
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.core import EngineCore
+from nanoserve.engine.cpu_quota import cpu_budget
 from nanoserve.engine.dtype_probe import SLOW_FACTOR, cpu_matmul_slowdown
 from nanoserve.engine.embeddings import Embeddings
 from nanoserve.engine.grammar import Constraint, Grammars
@@ -33,7 +34,6 @@ from nanoserve.engine.request import Request
 from nanoserve.engine.runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler, StepResult
 from nanoserve.engine.stream import GenerationStream
-from nanoserve.engine.threads import default_cpu_threads
 from nanoserve.engine.types import (
     Draining,
     EngineError,
@@ -84,7 +84,10 @@ class Engine:
                 )
         self.model = checkpoint.build_model(self.device, config.torch_dtype)
         self.num_params = self.model.num_params(non_embedding=False)
-        cpu_threads = config.cpu_threads or default_cpu_threads()
+        self.cpu_budget = cpu_budget(config.cpu_threads)  # the flag, else what the host leaves us
+        cpu_threads = self.cpu_budget.threads
+        if self.device == "cpu":
+            log.info("engine: %s", self.cpu_budget.describe())
         self.backend, self.backend_reason = factory.choose_backend(
             self.model, config, self.window, cpu_threads, usable_vocab=self.tokenizer.vocab_size
         )
@@ -147,20 +150,22 @@ class Engine:
     def health(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._crashed is None
 
-    async def shutdown(self, drain_timeout: float) -> None:
+    async def shutdown(self, drain_timeout: float) -> int:
         """Stop admitting; let accepted requests finish for up to `drain_timeout` seconds; then
-        end the rest with an error event and stop the thread."""
+        end the rest with an error event and stop the thread. Returns how many it ended so."""
         self._draining = True
         self._drain_begun.set()
         end = time.monotonic() + max(0.0, drain_timeout)
         while ((self._unfinished > 0 or self.embeddings.unfinished) and time.monotonic() < end
                and self.health()):
             await asyncio.sleep(0.01)
+        cut = self._unfinished + self.embeddings.unfinished
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30.0)
+        return cut
 
     # ---- requests ----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -313,6 +318,7 @@ class Engine:
             self.checkpoint, self.config, self.tokenizer, self.runner, self.scheduler,
             num_params=self.num_params, window=self.window, device=self.device,
             dtype_slowdown=self.dtype_slowdown, backend=self.backend, backend_reason=self.backend_reason,
+            cpu_budget=self.cpu_budget,
         )
 
     # ---- the engine thread -------------------------------------------------------------

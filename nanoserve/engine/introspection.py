@@ -13,6 +13,7 @@ from typing import Any
 
 from nanoserve.engine.backends.base import Backend
 from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.cpu_quota import CpuBudget
 from nanoserve.engine.runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.types import EngineStats
@@ -51,7 +52,7 @@ def engine_stats(
 def engine_info(
     checkpoint: Checkpoint, config: EngineConfig, tokenizer: Tokenizer, runner: ModelRunner,
     scheduler: Scheduler, *, num_params: int, window: int, device: str, dtype_slowdown: float,
-    backend: Backend, backend_reason: str,
+    backend: Backend, backend_reason: str, cpu_budget: CpuBudget,
 ) -> dict[str, Any]:
     """What the engine serves and how it is set up."""
     cfg = checkpoint.config
@@ -77,6 +78,9 @@ def engine_info(
         "deterministic": config.deterministic,
         "prefix_cache": scheduler.prefix.enabled,  # off when deterministic on torch
         "cpu_threads": runner.cpu_threads,
+        # Where the count came from: the flag, OMP_NUM_THREADS, the affinity mask or the cgroup's
+        # CPU quota (cpu_quota.py), and what was read.
+        "cpu_threads_from": {"source": cpu_budget.source, "detail": cpu_budget.detail},
         "gil_switch_interval_s": sys.getswitchinterval(),  # process-wide; see gil.py
         # Forward size (tokens, rounded up to a power of two) -> threads the tuner chose.
         "cpu_threads_by_forward_size": {str(k): v for k, v in runner.threads.choices().items()},

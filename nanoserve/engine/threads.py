@@ -8,7 +8,8 @@ add took 18 us in the engine thread alone and 80-126 us once the main thread (or
 thread) had run one parallel op; a whole decode forward doubled (10 -> 20 ms, 10.7M bf16 batch
 32). So process entry points call `single_threaded_elsewhere()` before touching torch, blocking
 work off the event loop runs on `single_threaded_executor()`, and the engine thread sets its own
-count (`default_cpu_threads()` unless configured).
+count (`default_cpu_threads()` unless configured: the CPUs the affinity mask and the cgroup's CPU
+quota leave the process, see cpu_quota.py).
 
 Within the engine thread the best count per forward still depends on things no formula knows:
 the model's bytes against the caches, the dtype's kernels, and what else the machine does (the
@@ -23,13 +24,14 @@ cannot win), without a turn on one.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+
+from nanoserve.engine.cpu_quota import cpu_budget
 
 # Candidates take turns in blocks of BLOCK forwards; the first forward of a block is not timed:
 # it pays for the switch (waking or parking the OpenMP workers) and measured 1.2-1.9x a settled
@@ -55,11 +57,9 @@ SURE_ALL_THREADS_S = 0.002
 
 
 def default_cpu_threads() -> int:
-    """Threads for the engine: OMP_NUM_THREADS when set, else the CPUs this process may use."""
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return max(1, len(os.sched_getaffinity(0)))
+    """Threads for the engine: OMP_NUM_THREADS when set, else the CPUs this process may use (its
+    affinity mask and cgroup CPU quota, see cpu_quota.py)."""
+    return cpu_budget().threads
 
 
 def single_threaded_elsewhere() -> None:

@@ -91,9 +91,12 @@ async def drain(app: FastAPI, timeout_s: float) -> None:
     lifecycle.draining = True
     engine: Engine | None = app.state.engine
     log.info("draining: waiting up to %.1fs for in-flight requests", timeout_s)
-    if engine is not None:
-        await engine.shutdown(timeout_s)
-    log.info("drained")
+    cut = await engine.shutdown(timeout_s) if engine is not None else 0
+    if cut:
+        log.warning("drain timeout (%.1fs) cut %d unfinished request%s", timeout_s, cut,
+                    "s" if cut != 1 else "")
+    else:
+        log.info("drained")  # every in-flight request finished
 
 
 @asynccontextmanager
@@ -125,8 +128,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.warmup()
         frozen = freeze_startup_heap()
         app.state.engine = engine
-        log.info("serving %s (window %d) on %s", engine.checkpoint.name, engine.window,
-                 config.resolved_device())
+        weights = config.dtype
+        if config.quantize == "int8":
+            weights = f"int8 (linear layers; the rest {config.dtype})"
+        log.info("serving %s (window %d) on %s, weights %s", engine.checkpoint.name, engine.window,
+                 config.resolved_device(), weights)
         yield
     finally:
         app.state.engine = None
