@@ -24,11 +24,11 @@
  *
  * The parts: this file includes row_kernels.inc, matmul.inc, matmul_int8.inc, tiles.inc,
  * attention.inc, sampler.inc and barrier.inc, once each, in that order. They are fragments of this
- * translation unit, not headers (no guards, no interface of their own: nanoserve_native.h is the library's interface), and stay
- * one unit on purpose: their kernels are static functions the compiler inlines into the per-thread
- * step loop below, and they share this file's Model, Job and helpers. As separate units each call
- * between them would be a real call on the hot path (or need link-time optimisation), and their
- * private types would become a second, internal header.
+ * translation unit, not headers (no guards, no interface of their own: nanoserve_native.h is the
+ * library's interface), and stay one unit on purpose: their kernels are static functions the
+ * compiler inlines into the per-thread step loop below, and they share this file's Model, Job and
+ * helpers. As separate units each call between them would be a real call on the hot path (or need
+ * link-time optimisation), and their private types would become a second, internal header.
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime (barrier.inc) */
 #include <math.h>
