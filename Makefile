@@ -26,8 +26,10 @@ $(VENV)/.installed: pyproject.toml $(wildcard $(NATIVE)/*.c $(NATIVE)/*.h $(NATI
 
 install: $(VENV)/.installed
 
+# `make serve PORT=9000` or `make serve ARGS="--port 9000 --dtype bfloat16"`: ARGS are `nanoserve serve`'s
+# flags (docs/configuration.md), PORT a shorthand for --port.
 serve: install
-	$(VENV)/bin/nanoserve serve
+	$(VENV)/bin/nanoserve serve $(if $(PORT),--port $(PORT)) $(ARGS)
 
 test: install
 	$(PY) -m pytest -q
