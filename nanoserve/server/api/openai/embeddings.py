@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from fastapi import APIRouter, Request
@@ -23,10 +23,14 @@ from nanoserve.engine.types import InvalidRequest
 from nanoserve.model.checkpoint import load_checkpoint
 from nanoserve.model.gpt import GPT
 from nanoserve.server.deps import EngineDep, SettingsDep
+from nanoserve.server.http.access_log import record_of
 from nanoserve.server.http.errors import APIError
 from nanoserve.server.settings import Settings
 from nanoserve.server.streaming.clients import client_id
 from nanoserve.server.streaming.encoding import INLINE_ENCODE_CHARS, check_prompt_chars, prompt_too_long
+
+if TYPE_CHECKING:
+    from nanoserve.engine.engine import Engine
 
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
 
@@ -127,8 +131,9 @@ async def embeddings(body: EmbeddingRequest, request: Request, engine: EngineDep
         await asyncio.to_thread(emb.load_model, lambda: _load_weights(engine, settings))
     job = EmbeddingJob(ids, client, asyncio.get_running_loop())
     emb.submit(job, engine.config.max_queue, engine.config.client_queue_share())
-    vectors = await _vectors(request, job)
     tokens = sum(len(x) for x in ids)
+    record_of(request).started(tokens, 0)  # the access log's prompt tokens
+    vectors = await _vectors(request, job)
     model = engine.checkpoint.name
     base64_format = body.encoding_format == "base64"
     # A large batch's JSON takes a while to build: off the event loop.
@@ -159,35 +164,35 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _token_ids(request: Request, engine: Any, inputs: list[str | list[int]],
+async def _token_ids(request: Request, engine: Engine, inputs: list[str | list[int]],
                      limit: int) -> list[list[int]]:
     """Each input's token ids, checked against `limit` and the vocabulary (400 naming the input);
     texts are encoded together, off the event loop unless short."""
     param = ["input" if len(inputs) == 1 else f"input[{i}]" for i in range(len(inputs))]
     vocab = engine.tokenizer.vocab_size
-    texts = []
+    texts: dict[int, str] = {}
     for i, x in enumerate(inputs):
         if not x:
             raise APIError(400, f"{param[i]} is empty: an embedding needs at least one token",
                            code="empty_input", param=param[i])
         if isinstance(x, str):
             check_prompt_chars(engine, x, limit, param[i])
-            texts.append(i)
+            texts[i] = x
         elif (bad := next((t for t in x if not 0 <= t < vocab), None)) is not None:
             raise APIError(400, f"{param[i]}: token id {bad} is not in this model's vocabulary [0, {vocab})",
                            code="invalid_token_id", param=param[i])
 
     def encode_texts() -> dict[int, list[int]]:
         out = {}
-        for i in texts:
+        for i, text in texts.items():
             try:
-                out[i] = engine.encode(inputs[i])
+                out[i] = engine.encode(text)
             except InvalidRequest as exc:
                 exc.param = param[i]
                 raise
         return out
 
-    chars = sum(len(inputs[i]) for i in texts)
+    chars = sum(len(text) for text in texts.values())
     encoded = encode_texts() if chars <= INLINE_ENCODE_CHARS else (
         await request.app.state.encode_queue.run(encode_texts, chars))
     ids = [encoded[i] if isinstance(x, str) else x for i, x in enumerate(inputs)]
@@ -199,7 +204,7 @@ async def _token_ids(request: Request, engine: Any, inputs: list[str | list[int]
     return ids
 
 
-def _load_weights(engine: Any, settings: Settings) -> GPT:
+def _load_weights(engine: Engine, settings: Settings) -> GPT:
     """The served checkpoint's weights again, for torch (the native backend released them)."""
     checkpoint = load_checkpoint(settings.checkpoint)
     if checkpoint.config != engine.checkpoint.config or checkpoint.name != engine.checkpoint.name:
