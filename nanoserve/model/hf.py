@@ -373,7 +373,8 @@ def _import_card(name: str, provenance: dict[str, Any], config: GPTConfig) -> st
     return "\n".join([
         f"# {name}",
         "",
-        "GPT-2 weights imported from a Hugging Face directory by `nanoserve import-hf`.",
+        f"{'Llama-family' if config.family == 'llama' else 'GPT-2'} weights imported from a Hugging Face "
+        "directory by `nanoserve import-hf`.",
         "",
         f"- source: `{provenance['source_weights']}` (sha256 `{provenance['source_weights_sha256']}`)",
         f"- layers {config.n_layer}, heads {config.n_head}, width {config.n_embd}, "

@@ -1,4 +1,5 @@
-"""`nanoserve export-hf` and `nanoserve import-hf`: checkpoints to and from Hugging Face GPT-2."""
+"""`nanoserve export-hf` and `nanoserve import-hf`: checkpoints to and from Hugging Face GPT-2 and
+Llama directories (weights, tokenizer, chat template, special and end tokens)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,20 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from nanoserve.model.checkpoint import CheckpointError, load_checkpoint
+from nanoserve.model.checkpoint import CONFIG_FILE, CheckpointError, load_checkpoint, read_json_object
 from nanoserve.model.hf import OUR_TOKENIZER, HFConversionError, export_hf, import_hf
 
 
 def add_hf_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face GPT-2 directory")
+    p = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face GPT-2 or Llama directory")
     p.add_argument("checkpoint", type=Path, help="nanoserve checkpoint directory")
     p.add_argument("out", type=Path, help="directory to write (config.json + model.safetensors)")
     p.set_defaults(func=run_export)
-    p = sub.add_parser("import-hf", help="turn a Hugging Face GPT-2 directory into a checkpoint")
+    p = sub.add_parser("import-hf", help="turn a Hugging Face GPT-2 or Llama directory into a checkpoint")
     p.add_argument("hf_dir", type=Path, help="directory with config.json, model.safetensors and "
-                   "a tokenizer (tokenizer.json, or vocab.json + merges.txt)")
+                   "a tokenizer (tokenizer.json, or vocab.json + merges.txt); its chat template "
+                   "(chat_template.jinja or tokenizer_config.json) and generation_config.json's end "
+                   "tokens come along")
     p.add_argument("out", type=Path, help="checkpoint directory to write")
     p.add_argument("--name", help="checkpoint name (default: the source folder's name)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
@@ -55,5 +58,8 @@ def run_import(args: argparse.Namespace) -> int:
                    lambda: import_hf(args.hf_dir, args.out, name=args.name, dtype=args.dtype))
     if out is None:
         return 2
-    print(f"wrote checkpoint {out}")
+    manifest = read_json_object(out / CONFIG_FILE)
+    template = "Jinja" if "jinja" in manifest["chat_template"] else "none in the source: the generic one"
+    print(f"wrote checkpoint {out} (chat template: {template}; end tokens: "
+          f"{manifest.get('end_token_ids') or 'the end-of-text token'})")
     return 0
