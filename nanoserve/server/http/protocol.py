@@ -117,7 +117,7 @@ def missing_uvicorn_members() -> list[str]:
     import inspect  # only for this check
 
     def assigned(cls: type, names: tuple[str, ...]) -> list[str]:
-        source = inspect.getsource(cls.__init__)
+        source = inspect.getsource(vars(cls)["__init__"])  # the class's own, not an inherited one
         return [f"{cls.__name__}.{n}" for n in names
                 if f"self.{n} =" not in source and f"self.{n}:" not in source]
 
