@@ -156,3 +156,19 @@ async def test_a_conversation_the_template_refuses_is_a_400_in_its_words(importe
     assert isinstance(body, dict) and body["param"] == "messages"
     assert "Conversation roles must alternate user/assistant/user/assistant/..." in body["message"]
     assert ok.choices[0].finish_reason is not None
+
+
+async def test_a_template_that_loops_on_some_conversations_is_cut_off_per_request(
+    imported: Path, tmp_path: Path
+) -> None:
+    """It passes the two-message probe at start-up; a longer conversation makes it loop, and that
+    request gets a 400 after the render's time bound, the server unharmed."""
+    looping = _template(tmp_path, "{% if messages|length > 2 %}{% for i in range(100000) %}"
+                                  "{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}"
+                                  "{% for m in messages %}{{ m.content }}{% endfor %}")
+    async with asgi_client(imported, chat_template=looping) as client:
+        sdk = _sdk(client)
+        with pytest.raises(openai.BadRequestError, match="rendering took more than 1 s"):
+            await sdk.chat.completions.create(model="chatml", messages=MESSAGES * 2)  # type: ignore[arg-type]
+        ok = await sdk.chat.completions.create(model="chatml", messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
+    assert ok.choices[0].finish_reason is not None
