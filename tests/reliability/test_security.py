@@ -33,6 +33,7 @@ BODIES = {
     "/tokenize": {"inputs": "Hi"},
     "/v1/completions": {"prompt": "Hi", "max_tokens": 2},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    "/v1/embeddings": {"input": "Hi"},
 }
 
 
