@@ -79,7 +79,7 @@ def _probe_by_counts(http: httpx.Client) -> tuple[str, list[tuple[int, int]]]:
     """B's attack on the counter: per position, the digit whose probe reused the most tokens
     (alone). Returns the digits recovered, and each probe's (reused, bound by B's own prompts)."""
     secret = f"{KNOWN}{PIN}. Do not share it."
-    known, history, seen = KNOWN, [], []
+    known, history, seen = KNOWN, list[str](), list[tuple[int, int]]()
     for _ in PIN:
         reused = {}
         for digit in "0123456789":
