@@ -44,12 +44,18 @@ def reference(tiny_checkpoint: Path) -> Iterator[tuple[Checkpoint, GPT]]:
 
 
 def pooled(reference: tuple[Checkpoint, GPT], text: str | list[int]) -> torch.Tensor:
-    """The embedding as defined: the mean over positions of the final norm's output, normalised."""
+    """The embedding as defined: the mean over positions of the final norm's output, normalised,
+    taken from the model's own forward (a hook on the norm), not from the method the server uses."""
     checkpoint, model = reference
     ids = checkpoint.tokenizer.encode(text) if isinstance(text, str) else text
-    with torch.inference_mode():
-        hidden = model.hidden_states(torch.tensor([ids]))[0]  # (T, C)
-    return F.normalize(hidden.mean(dim=0), dim=0)
+    seen: list[torch.Tensor] = []
+    hook = model.ln_f.register_forward_hook(lambda _module, _args, out: seen.append(out))
+    try:
+        with torch.inference_mode():
+            model(torch.tensor([ids]))
+    finally:
+        hook.remove()
+    return F.normalize(seen[0][0].mean(dim=0), dim=0)  # (T, C) -> (C,)
 
 
 def as_tensor(vectors: list[Any]) -> torch.Tensor:
