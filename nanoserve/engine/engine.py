@@ -67,7 +67,7 @@ class Engine:
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.window = config.window_for(checkpoint.config.block_size)
         # Before any of the engine's buffers: what does not fit is one line naming its size's fields.
-        check_memory(checkpoint.config, config, self.window)
+        check_memory(checkpoint, config)
         self.device = config.resolved_device()
         native = config.backend != "torch" and native_unavailable(config) is None
         self.dtype_slowdown = 1.0  # this dtype's matmul time over float32's, on a CPU

@@ -10,12 +10,14 @@ line, what does not fit, how big it is, and the setting or config field that mak
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from nanoserve.engine.config import EngineConfig
+from nanoserve.model.checkpoint import Checkpoint
 from nanoserve.model.config import GPTConfig
 
 GIB = 1 << 30
@@ -34,9 +36,18 @@ def _element_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def planned(model: GPTConfig, config: EngineConfig, window: int) -> list[Allocation]:
-    """The allocations an engine with `config` makes for `model`, besides the weights (which the
-    checkpoint already holds), largest first."""
+def weights_to_copy(checkpoint: Checkpoint, config: EngineConfig) -> int:
+    """Bytes of the weights' copy the engine makes: onto a GPU, or converted to another dtype
+    (0: the model takes the checkpoint's tensors as they are)."""
+    dtype, tensors = config.torch_dtype, checkpoint.state_dict.values()
+    if config.resolved_device() == "cpu" and all(t.dtype == dtype for t in tensors):
+        return 0
+    return sum(t.numel() for t in tensors) * _element_bytes(dtype)
+
+
+def planned(model: GPTConfig, config: EngineConfig, window: int, weights: int = 0) -> list[Allocation]:
+    """The allocations an engine with `config` makes for `model`, the `weights` bytes it copies
+    included, largest first."""
     slots, kv_bytes = config.max_seqs, _element_bytes(config.torch_kv_dtype)
     capped = config.max_context is not None and config.max_context < model.block_size
     window_from = f"--max-context {config.max_context}" if capped else f"block_size {model.block_size}"
@@ -58,6 +69,12 @@ def planned(model: GPTConfig, config: EngineConfig, window: int) -> list[Allocat
                            "x 4 bytes"))
     plan.append(Allocation("the penalty counts", slots * model.vocab_size * 5,
                            f"max_seqs {slots} x vocab_size {model.vocab_size} x 5 bytes"))
+    threads = config.cpu_threads or os.cpu_count() or 1  # the native step's attention rows
+    plan.append(Allocation("the attention scratch", threads * 4 * window * 4,
+                           f"threads {threads} x 4 rows x window {window} x 4 bytes"))
+    if weights:
+        plan.append(Allocation("the weights' copy", weights, f"the checkpoint's weights as {config.dtype} "
+                               f"on {config.resolved_device()}"))
     return sorted(plan, key=lambda a: -a.nbytes)
 
 
@@ -92,14 +109,16 @@ def _cgroup_left() -> int | None:
         return None
 
 
-def check_memory(model: GPTConfig, config: EngineConfig, window: int, available: int | None = None) -> None:
-    """Raise ValueError (one line) when the planned allocations do not fit the memory left
-    (`available`, default: measured now on the engine's device; unknown: nothing is checked)."""
+def check_memory(checkpoint: Checkpoint, config: EngineConfig, available: int | None = None) -> None:
+    """Raise ValueError (one line) when the engine's allocations for `checkpoint` do not fit the
+    memory left (`available`, default: measured now on the engine's device; unknown: nothing is
+    checked)."""
     if available is None:
         available = available_bytes(config.resolved_device())
     if available is None:
         return
-    plan = planned(model, config, window)
+    model = checkpoint.config
+    plan = planned(model, config, config.window_for(model.block_size), weights_to_copy(checkpoint, config))
     total = sum(a.nbytes for a in plan)
     if total <= available * HEADROOM:
         return

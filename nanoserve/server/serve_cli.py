@@ -103,7 +103,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = engine_config(settings)  # device/dtype, fault spec: fail before loading anything
         checkpoint = load_checkpoint(settings.checkpoint)
         # The KV cache and the engine's other buffers against memory, before any is allocated.
-        check_memory(checkpoint.config, engine, engine.window_for(checkpoint.config.block_size))
+        check_memory(checkpoint, engine)
         if settings.chat_template is not None:
             checkpoint = with_chat_template_file(checkpoint, settings.chat_template)
     except CheckpointError as e:
