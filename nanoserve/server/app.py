@@ -43,7 +43,7 @@ from nanoserve.engine.config import rules as engine_rules
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.threads import single_threaded_executor
 from nanoserve.model.checkpoint import Checkpoint, load_checkpoint, with_chat_template_file
-from nanoserve.server.api.docs import install_openapi
+from nanoserve.server.api.docs import install_docs_page, install_openapi
 from nanoserve.server.api.openai.responses_store import ResponseStore
 from nanoserve.server.deps import EngineDep, SettingsDep, get_engine, get_settings, server_version
 from nanoserve.server.http.access_log import RequestContextMiddleware
@@ -179,6 +179,7 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
         # No 307 to the path without its trailing slash: its Location would be built from the
         # client's Host header (an open redirect). A trailing slash is a 404 like any unknown path.
         redirect_slashes=False,
+        docs_url=None,  # install_docs_page: the same page, its assets served from here, not a CDN
     )
     app.state.settings = settings
     app.state.checkpoint = checkpoint
@@ -191,6 +192,7 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     install_error_handlers(app)
     _include_routers(app)
     install_openapi(app)
+    install_docs_page(app)
     # add_middleware wraps: the last one added is the outermost.
     app.add_middleware(HeadAsGet)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,

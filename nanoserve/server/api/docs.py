@@ -8,14 +8,21 @@
   which tools such as schemathesis read on 3.1 too); the event payload models are added to the
   components so `sse_response_doc` can reference them.
 - With API keys on, the probes (and /metrics unless it needs a key) are documented as public.
+
+`install_docs_page` serves GET /docs, Swagger UI over that document, from files vendored in
+nanoserve/server/static/swagger-ui/ (FastAPI's own page loads them from a CDN, so it is blank on a
+machine with no network).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
+from fastapi.openapi.docs import get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import FileResponse, HTMLResponse
 from pydantic import BaseModel
 
 from nanoserve.server.api.common import ErrorResponse
@@ -99,3 +106,39 @@ def install_openapi(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+SWAGGER_UI_DIR = Path(__file__).resolve().parent.parent / "static" / "swagger-ui"
+SWAGGER_UI_URL = "/static/swagger-ui/"
+# Exactly the files the page loads: nothing else in the folder is reachable by name.
+SWAGGER_UI_ASSETS = {"swagger-ui-bundle.js": "text/javascript; charset=utf-8",
+                     "swagger-ui.css": "text/css; charset=utf-8", "favicon-32x32.png": "image/png"}
+DOCS_PATH, OAUTH2_REDIRECT_PATH = "/docs", "/docs/oauth2-redirect"
+
+
+def install_docs_page(app: FastAPI) -> None:
+    """GET /docs (Swagger UI) and its assets, all served by this server. Create the app with
+    `docs_url=None` so that FastAPI's CDN page is not registered first."""
+
+    @app.get(DOCS_PATH, include_in_schema=False)
+    async def docs_page() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json", title=f"{app.title} - API",
+            swagger_js_url=SWAGGER_UI_URL + "swagger-ui-bundle.js",
+            swagger_css_url=SWAGGER_UI_URL + "swagger-ui.css",
+            swagger_favicon_url=SWAGGER_UI_URL + "favicon-32x32.png",
+            oauth2_redirect_url=OAUTH2_REDIRECT_PATH,
+            # No badge from the online validator (validator.swagger.io): nothing leaves this origin.
+            swagger_ui_parameters={"validatorUrl": None},
+        )
+
+    @app.get(OAUTH2_REDIRECT_PATH, include_in_schema=False)
+    async def oauth2_redirect() -> HTMLResponse:
+        return get_swagger_ui_oauth2_redirect_html()
+
+    @app.get(SWAGGER_UI_URL + "{name}", include_in_schema=False)
+    async def swagger_ui_asset(name: str) -> FileResponse:
+        media_type = SWAGGER_UI_ASSETS.get(name)
+        if media_type is None:
+            raise HTTPException(status_code=404, detail=f"no static file {name!r}")
+        return FileResponse(SWAGGER_UI_DIR / name, media_type=media_type)
