@@ -116,6 +116,8 @@ def test_isolated_reuse_leaks_nothing_by_counts_or_timing(servers: dict[str, Ser
     with httpx.Client(base_url=servers["isolated"].base_url, timeout=120) as http:
         recovered, seen = _probe_by_counts(http)
         right, wrong = _probe_by_timing(http)
+    print(f"isolated: recovered {recovered!r}; right guesses {statistics.median(right) * 1e3:.0f} ms, "
+          f"wrong {statistics.median(wrong) * 1e3:.0f} ms (medians)")
     # Every probe reused at most what B's own earlier probes explain: nothing of A's prompt.
     assert all(reused <= bound for reused, bound in seen), seen
     assert recovered == "", recovered
@@ -129,5 +131,7 @@ def test_the_same_attack_recovers_the_pin_where_prefixes_are_shared(
     with httpx.Client(base_url=servers["shared"].base_url, timeout=120) as http:
         recovered, _ = _probe_by_counts(http)
         right, wrong = _probe_by_timing(http)
+    print(f"shared: recovered {recovered!r}; right guesses {statistics.median(right) * 1e3:.0f} ms, "
+          f"wrong {statistics.median(wrong) * 1e3:.0f} ms (medians)")
     assert recovered == PIN
     assert statistics.median(right) < 0.5 * statistics.median(wrong), (right, wrong)
