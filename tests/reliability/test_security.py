@@ -34,6 +34,7 @@ BODIES = {
     "/v1/completions": {"prompt": "Hi", "max_tokens": 2},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
     "/v1/embeddings": {"input": "Hi"},
+    "/v1/responses": {"input": "Hi", "max_output_tokens": 2},
 }
 
 
@@ -62,6 +63,10 @@ def test_every_protected_route_needs_a_key_and_probes_stay_open(sclient: httpx.C
         assert ok.status_code == 200, (method, path, ok.text[:200])
     for method, path in OPEN_ROUTES:
         assert sclient.request(method, path).status_code == 200, path
+    # Routes with a path parameter: a stored response is the key's own; without one, 401 first.
+    for method in ("GET", "DELETE"):
+        r = sclient.request(method, "/v1/responses/resp_unknown")
+        assert r.status_code == 401 and error_kind(r) == "missing_api_key", (method, r.text[:200])
 
 
 def test_keys_never_reach_the_logs(secure_server: ServerProcess, sclient: httpx.Client) -> None:
