@@ -254,7 +254,8 @@ def template_stop_sequences(template: Mapping[str, Any]) -> list[str]:
 
 
 def fit_chat(
-    template: Mapping[str, Any], messages: Sequence[Mapping[str, Any]], fits: Callable[[str], bool]
+    template: Mapping[str, Any], messages: Sequence[Mapping[str, Any]], fits: Callable[[str], bool],
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, int]:
     """The conversation rendered with as few of its oldest turns dropped as make `fits` accept it:
     (text, messages dropped).
@@ -267,7 +268,7 @@ def fit_chat(
     of dropped turns is found by bisection). A template that refuses a count (a Jinja template
     that wants the user's turn first) gets the next one up.
     """
-    text = render_chat(template, messages)
+    text = render_chat(template, messages, tools=tools)
     if fits(text):
         return text, 0
     droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
@@ -277,7 +278,8 @@ def fit_chat(
         for count in range(k, min(k + 2, len(droppable) + 1)):
             gone = set(droppable[:count])
             try:
-                return count, render_chat(template, [m for i, m in enumerate(messages) if i not in gone])
+                kept = [m for i, m in enumerate(messages) if i not in gone]
+                return count, render_chat(template, kept, tools=tools)
             except ChatTemplateError:
                 continue
         return None

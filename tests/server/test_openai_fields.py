@@ -109,10 +109,10 @@ TOOLS = HINTS["tools"]
 
 
 @pytest.mark.parametrize(("extra", "param", "says"), [
-    ({"tools": TOOLS}, "tools", "tool calling is not implemented yet"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tools", '"none"'),
-    ({"tool_choice": "required"}, "tool_choice", "not supported"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "not supported"),
+    ({"tools": [*TOOLS, *TOOLS]}, "tools", "twice"),
+    ({"tool_choice": "required"}, "tool_choice", "`tools` is empty or absent"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+     "not in `tools`"),
     ({"functions": [{"name": "f"}], "function_call": "auto"}, "functions", "not supported"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "no audio"),
     ({"modalities": ["text", "audio"]}, "modalities", "text only"),

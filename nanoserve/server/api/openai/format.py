@@ -9,7 +9,7 @@ every token's logprob is still reported exactly once.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,10 +28,15 @@ from nanoserve.server.api.openai.objects import (
     CompletionLogprobs,
     CompletionResponse,
     FinishName,
+    FunctionCallOut,
+    FunctionDelta,
     TokenLogprob,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
     Usage,
 )
+from nanoserve.server.api.openai.tool_parsers import Parsed, StreamedCalls
 from nanoserve.server.streaming.sse import EventTemplate, sse_event
 
 DONE = b"data: [DONE]\n\n"
@@ -151,15 +156,30 @@ def summed_usage(usages: list[Usage], per_prompt: int = 1) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def chat_response(reply: Reply, results: list[tuple[str, TokenEvent, list[TokenLogprob] | None]]
-                  ) -> ChatCompletionResponse:
-    """One choice per (text, last event, logprobs) of one prompt (n), the prompt counted once."""
+def assistant_message(text: str, reason: FinishName,
+                      calls: Callable[[str], Parsed] | None) -> tuple[AssistantMessage, FinishName]:
+    """The reply as a message, its tool calls parsed out when `calls` reads them; a reply that
+    ended by itself with calls finishes with "tool_calls"."""
+    parsed = calls(text) if calls is not None else Parsed(text, [])
+    if not parsed.calls:
+        return AssistantMessage(content=text), reason
+    out = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+           for c in parsed.calls]
+    return AssistantMessage(content=parsed.content, tool_calls=out), \
+        "tool_calls" if reason == "stop" else reason
+
+
+def chat_response(reply: Reply, results: list[tuple[str, TokenEvent, list[TokenLogprob] | None]],
+                  calls: Callable[[str], Parsed] | None = None) -> ChatCompletionResponse:
+    """One choice per (text, last event, logprobs) of one prompt (n), the prompt counted once;
+    `calls` parses a reply's tool calls."""
     choices = []
     for i, (text, last, logprobs) in enumerate(results):
         assert last.finish_reason is not None
-        choices.append(ChatChoice(index=i, message=AssistantMessage(content=text),
+        message, reason = assistant_message(text, finish_reason(last.finish_reason), calls)
+        choices.append(ChatChoice(index=i, message=message,
                                   logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
-                                  finish_reason=finish_reason(last.finish_reason)))
+                                  finish_reason=reason))
     usage = summed_usage([usage_of(last) for _, last, _ in results], per_prompt=len(results))
     return ChatCompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=choices,
                                   usage=usage)
@@ -235,13 +255,18 @@ class CompletionChunks(_Chunks):
 
 
 class ChatChunks(_Chunks):
-    """/v1/chat/completions: the assistant role first, then a chunk per content delta."""
+    """/v1/chat/completions: the assistant role first, then a chunk per content delta; with
+    `calls`, content that may be a tool call is held, and the calls come as tool-call deltas
+    before the finish."""
 
-    def __init__(self, reply: Reply, logprobs: bool, include_usage: bool, index: int = 0) -> None:
+    def __init__(self, reply: Reply, logprobs: bool, include_usage: bool, index: int = 0,
+                 calls: StreamedCalls | None = None) -> None:
         super().__init__(reply, include_usage)
         self.logprobs = logprobs
         self.index = index  # the choice, when n > 1
         self.started = False
+        self.calls = calls
+        self.called = False
         self.content_chunk = EventTemplate(
             lambda text: self._envelope([ChatChunkChoice(index=index, delta=ChatDelta(content=text))]))
 
@@ -251,16 +276,39 @@ class ChatChunks(_Chunks):
                                              usage=usage))
 
     def _finish_choice(self, reason: FinishName) -> ChatChunkChoice:
+        if self.called and reason == "stop":
+            reason = "tool_calls"
         return ChatChunkChoice(index=self.index, delta=ChatDelta(), finish_reason=reason)
+
+    def _delta(self, delta: ChatDelta) -> bytes:
+        return self._envelope([ChatChunkChoice(index=self.index, delta=delta)])
+
+    def _tool_calls(self) -> Iterator[bytes]:
+        """The end of a reply read for calls: held text that was not a call, or each call's
+        name, then its arguments."""
+        assert self.calls is not None
+        rest, calls = self.calls.end()
+        if rest:
+            yield self.content_chunk(rest)
+        for k, call in enumerate(calls):
+            head = ToolCallDelta(index=k, id=call.id, type="function",
+                                 function=FunctionDelta(name=call.name, arguments=""))
+            yield self._delta(ChatDelta(tool_calls=[head]))
+            args = ToolCallDelta(index=k, function=FunctionDelta(arguments=call.arguments))
+            yield self._delta(ChatDelta(tool_calls=[args]))
+        self.called = bool(calls)
 
     def _content(self, event: TokenEvent) -> Iterator[bytes]:
         if not self.started:  # OpenAI opens every stream with the assistant role and empty content
             self.started = True
             role = ChatDelta(role="assistant", content="")
             yield self._envelope([ChatChunkChoice(index=self.index, delta=role)])
+        text = event.text if self.calls is None else self.calls.feed(event.text)
         entry = chat_logprob(self.reply, event) if self.logprobs else None
         if entry is not None:
-            yield self._envelope([ChatChunkChoice(index=self.index, delta=ChatDelta(content=event.text),
+            yield self._envelope([ChatChunkChoice(index=self.index, delta=ChatDelta(content=text),
                                                   logprobs=ChatLogprobs(content=[entry]))])
-        elif event.text:
-            yield self.content_chunk(event.text)
+        elif text:
+            yield self.content_chunk(text)
+        if event.finish_reason is not None and self.calls is not None:
+            yield from self._tool_calls()

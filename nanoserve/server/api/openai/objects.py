@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_seri
 
 from nanoserve.server.deps import server_version
 
-FinishName = Literal["stop", "length"]
+FinishName = Literal["stop", "length", "tool_calls"]
 
 
 @cache  # read once: package metadata is files on disk, and every streamed chunk carries it
@@ -73,10 +73,30 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the reply only calls tools
     refusal: None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_when_made(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # `tool_calls` only on a reply that made calls (OpenAI leaves the key out otherwise).
+        out: dict[str, Any] = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -92,9 +112,33 @@ class ChatCompletionResponse(_Response):
     usage: Usage
 
 
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed tool call: its `index`, `id`, `type` and `function.name` first, then
+    `function.arguments` fragments under the same index (OpenAI's deltas)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -122,8 +122,8 @@ DROPPED_HEADER = "X-Nanoserve-Dropped-Messages"
 
 
 async def _fit_window(request: Request, engine: Any, settings: Settings, template: Mapping[str, Any],
-                      messages: list[dict[str, Any]], prompt: str,
-                      max_new: int) -> tuple[str | list[int], int]:
+                      messages: list[dict[str, Any]], prompt: str, max_new: int,
+                      tools: list[dict[str, Any]] | None = None) -> tuple[str | list[int], int]:
     """The prompt to generate from (its ids when it is used as rendered) and how many of the
     conversation's oldest turns were left out so it leaves the reply room in the window: up to a
     quarter of the window, or `max_new` if less. System messages and the last message stay
@@ -139,7 +139,7 @@ async def _fit_window(request: Request, engine: Any, settings: Settings, templat
         return len(engine.encode(text)) <= budget
 
     # Several encodes of a long conversation: off the event loop, counted as one more encoding.
-    return await queue.run(lambda: fit_chat(template, messages, fits), len(prompt))
+    return await queue.run(lambda: fit_chat(template, messages, fits, tools=tools), len(prompt))
 
 
 @router.get("/models", response_model=ModelList)
@@ -259,8 +259,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
     model = _served_model(engine)
     template = engine.checkpoint.chat_template
     messages = template_messages(body.messages, template)
+    tool_use = body.tool_use()
+    tools = tool_use.shown_to(template) if tool_use is not None else None
     try:
-        prompt = render_chat(template, messages)
+        prompt = render_chat(template, messages, tools=tools)
     except ChatTemplateError as e:
         raise APIError(422, str(e), code="invalid_message", param="messages") from None
     top_n = body.top_logprobs or 0
@@ -268,17 +270,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
     _check_choices(engine, n, "n")
     params = _sampling_params(body, settings, max_tokens=body.token_limit(), logprobs=body.logprobs,
                               top_n=top_n, extra_stop=template_stop_sequences(template))
+    reader = tool_use.reader(template) if tool_use is not None else None
+    if tool_use is not None and (forced := tool_use.grammar()) is not None:
+        params = replace(params, grammar=forced, grammar_param="tools")  # the call, not response_format
     engine.check_admission(client_id(request))  # before the conversation's encodings
     fitted, dropped = await _fit_window(request, engine, settings, template, messages, prompt,
-                                        params.max_new_tokens)
+                                        params.max_new_tokens, tools)
     headers = {DROPPED_HEADER: str(dropped)} if dropped else {}
     gens = await start_choices(request, engine, fitted, params, n, param="messages")
     reply = Reply.new("chatcmpl", model, engine.tokenizer)
+
     if body.stream and n == 1:
-        render = ChatChunks(reply, body.logprobs, body.include_usage())
+        calls = reader.stream() if reader else None
+        render = ChatChunks(reply, body.logprobs, body.include_usage(), calls=calls)
         return _sse(gens[0], render, settings, headers)
     if body.stream:  # each choice's chunks under its index
-        renders = [ChatChunks(reply, body.logprobs, False, index=i) for i in range(n)]
+        renders = [ChatChunks(reply, body.logprobs, False, index=i, calls=reader.stream() if reader else None)
+                   for i in range(n)]
         totals = ChatChunks(reply, False, body.include_usage())
         merged = MergedStream(gens, renders, lambda finals: totals.usage_chunk(finals, n))
         return merged_sse_response(merged, settings, trailer=[DONE], headers=headers)
@@ -289,4 +297,4 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
         if body.logprobs:
             logprobs = [entry for e in done.tokens if (entry := chat_logprob(reply, e)) is not None]
         results.append((done.text, done.final, logprobs))
-    return chat_response(reply, results)
+    return chat_response(reply, results, reader.parse if reader else None)

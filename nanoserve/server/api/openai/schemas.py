@@ -5,7 +5,7 @@ rejected (400 naming the field), a boolean is not a number, NaN and infinities a
 field of OpenAI's requests is declared, each as OpenAI's semantics allow here: honoured where it
 means something; accepted and ignored where it is only a hint (caching, latency, verbosity,
 labels); refused, naming it, only where honouring it is impossible and ignoring it would change
-the answer (tool calls, audio output, web search, moderation). docs/api.md lists which is which.
+the answer (audio output, web search, moderation, legacy functions). docs/api.md lists which is which.
 Chat messages are in nanoserve/server/api/openai/messages.py.
 """
 
@@ -19,6 +19,14 @@ from pydantic_core import PydanticCustomError
 from nanoserve.engine.types import GrammarSpec
 from nanoserve.server.api.common import MAX_COUNT, CacheSalt
 from nanoserve.server.api.openai.messages import ChatMessage
+from nanoserve.server.api.openai.tools import (
+    MAX_TOOLS,
+    ToolDefinition,
+    ToolUse,
+    check_tool_choice,
+    check_tools,
+    duplicate_name,
+)
 from nanoserve.server.api.structured import response_format_grammar
 
 MAX_CHOICES = 16  # n and best_of (also at most the engine's slots: each choice holds one)
@@ -256,19 +264,28 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # Tool calling is not implemented yet: accepted in the forms that call no tool. The choices
-    # come before the tools, so that the tools' check reads them.
+    # The tools come before the choice, so that the choice's check reads them.
+    tools: list[ToolDefinition] | None = Field(
+        None, max_length=MAX_TOOLS, description=f"Function tools (up to {MAX_TOOLS}, distinct names): "
+        "with `tool_choice` other than \"none\" the reply may call them (docs/api.md, Tools)."
+    )
     tool_choice: str | dict[str, Any] | None = Field(
-        None, description='"none" (tools, if any, are not used), or "auto" with no tools.'
+        None, description='"none", "auto" (the default with tools), "required" (a call, its arguments '
+        'matching the schema) or {"type": "function", "function": {"name": ...}} (that call).'
     )
-    tools: list[dict[str, Any]] | None = Field(
-        None, description='Empty, or with tool_choice "none" only (then ignored): tool calling is not '
-        "implemented yet."
+    parallel_tool_calls: bool | None = Field(
+        None, description='With "required": true (the default) lets the reply make several calls.'
     )
-    function_call: str | dict[str, Any] | None = Field(None, description='As tool_choice: "none" or "auto".')
-    functions: list[dict[str, Any]] | None = Field(None, description='As tools (function_call "none").')
-    parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored (no tool calls).")
-    tool_prompt: str | None = Field(None, description="TGI's: accepted and ignored (no tool calls).")
+    function_call: str | dict[str, Any] | None = Field(
+        None, description='The legacy form of tool_choice: "none" or "auto" (with no functions).'
+    )
+    functions: list[dict[str, Any]] | None = Field(
+        None, description="The legacy form of tools: refused unless empty or with function_call "
+        '"none"; send `tools`.'
+    )
+    tool_prompt: str | None = Field(
+        None, description="TGI's: accepted and ignored (the chat template shows the tools)."
+    )
     # Hints about caching, latency, length and effort: accepted and ignored.
     prompt_cache_key: str | None = Field(
         None, max_length=1024, description="Ignored: prompt prefixes are cached whatever the key."
@@ -288,26 +305,36 @@ class ChatCompletionRequest(GenerationRequest):
     web_search_options: dict[str, Any] | None = Field(None, description="Refused: no web search.")
     moderation: dict[str, Any] | None = Field(None, description="Refused: no moderation model.")
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("tools")
     @classmethod
-    def _no_forced_call(cls, v: str | dict[str, Any] | None,
-                        info: ValidationInfo) -> str | dict[str, Any] | None:
+    def _distinct_tools(cls, v: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        if v and (name := duplicate_name(v)) is not None:
+            raise _invalid(f"`tools` defines function {name!r} twice")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: str | dict[str, Any] | None,
+                     info: ValidationInfo) -> str | dict[str, Any] | None:
+        check_tool_choice(v)
+        if "tools" in info.data:  # else `tools` has its own error
+            check_tools(info.data["tools"], v)
+        return v
+
+    @field_validator("function_call")
+    @classmethod
+    def _legacy_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
         if v is None or v in ("none", "auto"):
             return v
-        if isinstance(v, str) and v != "required":
-            raise _invalid(f'`{info.field_name}` is "none", "auto", "required" or an object, got {v!r}')
-        raise _unsupported(str(info.field_name), "tool calling is not implemented yet; send "
-                           '"none", "auto" or leave it out')
+        raise _unsupported("function_call", 'the legacy functions are not; send `tools` and `tool_choice`')
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _tools_unused(cls, v: list[dict[str, Any]] | None,
-                      info: ValidationInfo) -> list[dict[str, Any]] | None:
-        choice = info.data.get("tool_choice" if info.field_name == "tools" else "function_call")
-        if v and choice != "none":
-            raise _unsupported(str(info.field_name), "tool calling is not implemented yet; with "
-                               f'`{"tool_choice" if info.field_name == "tools" else "function_call"}'
-                               '`: "none" the request is answered without tools')
+    def _legacy_functions(cls, v: list[dict[str, Any]] | None,
+                          info: ValidationInfo) -> list[dict[str, Any]] | None:
+        if v and info.data.get("function_call") != "none":
+            raise _unsupported("functions", "the legacy functions are not; send `tools` (with "
+                               "`function_call`: \"none\" they are ignored)")
         return v
 
     @field_validator("audio", "web_search_options", "moderation")
@@ -343,3 +370,7 @@ class ChatCompletionRequest(GenerationRequest):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def tool_use(self) -> ToolUse | None:
+        """What the tools make of the reply (None: plain text)."""
+        return ToolUse.of(self.tools, self.tool_choice, self.parallel_tool_calls)
