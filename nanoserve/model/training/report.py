@@ -6,16 +6,21 @@ from pathlib import Path
 from typing import Any
 
 
-def plot_loss_curve(history: list[dict[str, float]], path: Path) -> None:
+def plot_loss_curve(history: list[dict[str, float]], curve: list[list[float]], path: Path) -> None:
+    """The training loss at every step (a thin line) and each evaluation's train and val estimates
+    (markers, so that a run with a single evaluation still shows it)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers
     import matplotlib.pyplot as plt
 
-    steps = [h["step"] for h in history]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [h["train_loss"] for h in history], label="train")
-    ax.plot(steps, [h["val_loss"] for h in history], label="val")
+    if curve:
+        ax.plot([p[0] for p in curve], [p[1] for p in curve], lw=0.8, alpha=0.5, color="tab:blue",
+                label="train (each step's batch)")
+    steps = [h["step"] for h in history]
+    ax.plot(steps, [h["train_loss"] for h in history], "o-", ms=4, color="tab:blue", label="train (eval)")
+    ax.plot(steps, [h["val_loss"] for h in history], "s-", ms=4, color="tab:orange", label="val (eval)")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)

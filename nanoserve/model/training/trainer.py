@@ -20,6 +20,7 @@ from nanoserve.model.config import GPTConfig
 from nanoserve.model.gpt import GPT
 from nanoserve.model.reference import reference_generate
 from nanoserve.model.tokenizer import Tokenizer, train_tokenizer
+from nanoserve.model.training.atomic_dir import staged_directory
 from nanoserve.model.training.data import (
     TrainInputError,
     encode_and_split,
@@ -185,10 +186,12 @@ def _train(cfg: TrainConfig, rank: _Dist) -> dict[str, Any]:
     splits = encode_and_split(corpus, tokenizer, block)
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (0.9, cfg.beta2))
     start_step, best_val, best_step, history, elapsed_before = 0, float("inf"), 0, [], 0.0
+    curve: list[list[float]] = []  # [step, train loss] at every step: the plot's training curve
     if cfg.resume:
         meta = load_optimizer(cfg.out_dir, optimizer)
         start_step, best_val, best_step = meta["step"], meta["best_val_loss"], meta["best_step"]
         history, elapsed_before = meta["history"], meta["wall_time_s"]
+        curve = [p for p in meta.get("train_curve", []) if p[0] <= start_step]
     ddp_model: torch.nn.Module = model
     if rank.world > 1:
         ddp_model = DistributedDataParallel(model)
@@ -232,6 +235,7 @@ def _train(cfg: TrainConfig, rank: _Dist) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         train_loss = float(loss.detach())
         step += 1
+        curve.append([step, train_loss])
         if bar is not None:
             rate = (step - start_step) * tokens_per_step / max(time.time() - t0, 1e-9)
             bar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}")
@@ -254,7 +258,8 @@ def _train(cfg: TrainConfig, rank: _Dist) -> dict[str, Any]:
                 if rank.main:
                     prov = _provenance(cfg, corpus, model, step, tr, va, history, rank,
                                        elapsed_before + time.time() - t0, tokens_per_step, old_prov)
-                    _save(cfg, model, tokenizer, prov, optimizer, history, step, best_val, best_step)
+                    _save(cfg, model, tokenizer, prov, optimizer,
+                          {"history": history, "train_curve": curve}, step, best_val, best_step)
             # Every rank must agree to stop, or the collectives would hang.
             stop = torch.tensor([1.0 if out_of_time else 0.0])
             if rank.world > 1:
@@ -266,8 +271,8 @@ def _train(cfg: TrainConfig, rank: _Dist) -> dict[str, Any]:
     replica_diff = _replica_divergence(model, rank)
     if not rank.main:
         return {}
-    return _finish(cfg, tokenizer, splits.val, block, elapsed_before + time.time() - t0, history,
-                   replica_diff)
+    return _finish(cfg, tokenizer, splits.val, block, elapsed_before + time.time() - t0,
+                   {"history": history, "train_curve": curve}, replica_diff)
 
 
 def _replica_divergence(model: GPT, rank: _Dist) -> float | None:
@@ -320,22 +325,25 @@ def _provenance(
 
 def _save(
     cfg: TrainConfig, model: GPT, tokenizer: Tokenizer, prov: dict[str, Any],
-    optimizer: torch.optim.Optimizer, history: list[dict[str, float]], step: int,
+    optimizer: torch.optim.Optimizer, log: dict[str, list[Any]], step: int,
     best_val: float, best_step: int,
 ) -> None:
-    save_checkpoint(
-        cfg.out_dir, model, tokenizer, name=cfg.name or cfg.out_dir.name,
-        chat_template=cfg.chat_template, provenance=prov,
-    )
-    save_optimizer(cfg.out_dir, optimizer, {
-        "step": step, "best_val_loss": best_val, "best_step": best_step, "history": history,
-        "wall_time_s": prov["wall_time_s"],
-    })
+    """Write the checkpoint and the optimizer state as one directory, swapped in whole (atomic_dir.py):
+    a server watching `out_dir` reloads complete saves only."""
+    with staged_directory(cfg.out_dir) as stage:
+        save_checkpoint(
+            stage, model, tokenizer, name=cfg.name or cfg.out_dir.name,
+            chat_template=cfg.chat_template, provenance=prov,
+        )
+        save_optimizer(stage, optimizer, {
+            "step": step, "best_val_loss": best_val, "best_step": best_step, **log,
+            "wall_time_s": prov["wall_time_s"],
+        })
 
 
 def _finish(
     cfg: TrainConfig, tokenizer: Tokenizer, val: torch.Tensor, block: int, wall: float,
-    history: list[dict[str, float]], replica_diff: float | None = None,
+    log: dict[str, list[Any]], replica_diff: float | None = None,
 ) -> dict[str, Any]:
     """Reload the best checkpoint, measure it on the whole val split, write card, sample, plot."""
     ckpt = load_checkpoint(cfg.out_dir)
@@ -349,9 +357,10 @@ def _finish(
     gen = torch.Generator(device=cfg.device).manual_seed(0)
     out = reference_generate(best, prompt, cfg.sample_tokens, temperature=0.8, top_k=40, generator=gen)
     sample = tokenizer.decode(out)
-    (cfg.out_dir / "sample.txt").write_text(sample + "\n", encoding="utf-8")
-    plot_loss_curve(history, cfg.out_dir / "loss.png")
     card = model_card(ckpt.name, prov, ckpt.config.to_dict(), sample[:600])
-    save_checkpoint(cfg.out_dir, best, tokenizer, name=ckpt.name, chat_template=ckpt.chat_template,
-                    provenance=prov, card=card)
+    with staged_directory(cfg.out_dir) as stage:
+        (stage / "sample.txt").write_text(sample + "\n", encoding="utf-8")
+        plot_loss_curve(log["history"], log["train_curve"], stage / "loss.png")
+        save_checkpoint(stage, best, tokenizer, name=ckpt.name, chat_template=ckpt.chat_template,
+                        provenance=prov, card=card, end_token_ids=ckpt.end_token_ids)
     return prov
