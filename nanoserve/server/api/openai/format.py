@@ -300,8 +300,9 @@ class ChatChunks(_Chunks):
 
     def _content(self, event: TokenEvent) -> Iterator[bytes]:
         if not self.started:  # OpenAI opens every stream with the assistant role and empty content
-            self.started = True
-            role = ChatDelta(role="assistant", content="")
+            self.started = True  # (none when the reply is a forced call: its content is null)
+            forced = self.calls is not None and self.calls.fmt.name == "json"
+            role = ChatDelta(role="assistant", content=None if forced else "")
             yield self._envelope([ChatChunkChoice(index=self.index, delta=role)])
         text = event.text if self.calls is None else self.calls.feed(event.text)
         entry = chat_logprob(self.reply, event) if self.logprobs else None
