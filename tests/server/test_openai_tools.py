@@ -89,10 +89,12 @@ def test_required_returns_tool_calls_the_sdk_parses(client: openai.OpenAI) -> No
 
 
 def test_a_named_function_is_the_one_called(client: openai.OpenAI) -> None:
+    """OpenAI's form, and TGI's without "type" (huggingface_hub sends it so)."""
     for seed in range(3):
+        named: Any = {"function": {"name": "get_weather"}, **({"type": "function"} if seed else {})}
         r = client.chat.completions.create(
             model="m", messages=ASK, tools=[CLOCK, WEATHER], max_tokens=200, seed=seed,
-            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+            tool_choice=named)
         calls: Any = r.choices[0].message.tool_calls
         assert calls is not None and len(calls) == 1 and calls[0].function.name == "get_weather"
         assert set(check_call(calls[0])) == {"city", "days"}

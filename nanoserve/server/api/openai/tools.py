@@ -74,15 +74,17 @@ class ToolDefinition(BaseModel):
 
 
 def check_tool_choice(v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-    """`tool_choice`: "none", "auto", "required" or {"type": "function", "function": {"name": ...}}."""
+    """`tool_choice`: "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
+    (or TGI's {"function": {"name": ...}})."""
     if v is None or v in ("none", "auto", "required"):
         return v
     if isinstance(v, str):
         raise _invalid(f'`tool_choice` is "none", "auto", "required" or {{"type": "function", '
                        f'"function": {{"name": ...}}}}, got {v[:80]!r}')
     fn = v.get("function")
-    if v.get("type") != "function" or set(v) != {"type", "function"} or not isinstance(fn, dict) \
-            or set(fn) != {"name"} or not isinstance(fn["name"], str):
+    # TGI's clients (huggingface_hub) leave out "type".
+    if v.get("type", "function") != "function" or not set(v) <= {"type", "function"} \
+            or not isinstance(fn, dict) or set(fn) != {"name"} or not isinstance(fn["name"], str):
         raise _invalid('a named `tool_choice` is {"type": "function", "function": {"name": ...}}')
     return v
 
