@@ -135,3 +135,24 @@ def test_the_same_attack_recovers_the_pin_where_prefixes_are_shared(
           f"wrong {statistics.median(wrong) * 1e3:.0f} ms (medians)")
     assert recovered == PIN
     assert statistics.median(right) < 0.5 * statistics.median(wrong), (right, wrong)
+
+
+def test_a_shared_cache_salt_reuses_across_keys_on_both_apis(servers: dict[str, ServerProcess]) -> None:
+    prompt = f"Team note {time.monotonic_ns()}: the release is on Friday."  # in no cache yet
+    with httpx.Client(base_url=servers["isolated"].base_url, timeout=60) as http:
+        def reused_by(key: str, path: str, body: dict[str, object]) -> int:
+            before = _reused(http)
+            r = http.post(path, json=body, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+            return int(_reused(http) - before)
+
+        def openai(salt: str | None) -> dict[str, object]:
+            return {"prompt": prompt, "max_tokens": 1, "temperature": 0, "cache_salt": salt}
+
+        tgi: dict[str, object] = {"inputs": prompt, "parameters": {"max_new_tokens": 1, "cache_salt": "team"}}
+        assert reused_by(KEY_A, "/v1/completions", openai("team")) == 0
+        assert reused_by(KEY_B, "/v1/completions", openai(None)) == 0  # B's own tenant: nothing
+        assert reused_by(KEY_B, "/v1/completions", openai("other")) == 0
+        assert reused_by(KEY_B, "/generate", tgi) == len(prompt) - 1  # the salt A used
+        bad = http.post("/v1/completions", json=openai(""), headers={"Authorization": f"Bearer {KEY_B}"})
+        assert bad.status_code == 400 and "cache_salt" in bad.text, bad.text
