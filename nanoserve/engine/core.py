@@ -42,6 +42,16 @@ class EngineCore:
                 self.runner.reset_slot(op.req)
         if not plan.items:
             return StepOutput()
+        # Grammar masks of the rows this step samples, computed beside the forward.
+        masks = self.runner.grammar_mask
+        masks.start([item.req.constraint for item in plan.items
+                     if item.completes and item.req.constraint is not None and samples_tokens(item.req)])
+        try:
+            return self._execute_items(plan)
+        finally:
+            masks.wait()  # no mask job outlives the step: the update goes on to advance the matchers
+
+    def _execute_items(self, plan: StepPlan) -> StepOutput:
         forward = self.runner.forward(plan.items)
         out = StepOutput(forward_done=time.perf_counter(), errors=forward.errors, rows=forward.rows)
         if forward.logits is None:

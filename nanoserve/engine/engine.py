@@ -27,6 +27,7 @@ from nanoserve.engine.cpu_quota import cpu_budget
 from nanoserve.engine.dtype_probe import SLOW_FACTOR, cpu_matmul_slowdown
 from nanoserve.engine.embeddings import Embeddings
 from nanoserve.engine.grammar import Constraint, Grammars
+from nanoserve.engine.grammar_pool import GrammarPool
 from nanoserve.engine.ids import new_id, new_seed
 from nanoserve.engine.inbox import Inbox
 from nanoserve.engine.memory_plan import check_memory
@@ -94,6 +95,7 @@ class Engine:
         log.info("engine: backend %s, kernels %s (%s)", self.backend.name, self.backend.kernels(),
                  self.backend_reason)
         self.grammars = Grammars(self.tokenizer)
+        self.grammar_pool = GrammarPool()
         self.runner = ModelRunner(
             self.backend, checkpoint.config.vocab_size, usable_vocab=self.tokenizer.vocab_size,
             deterministic=config.deterministic, cpu_threads=cpu_threads,
@@ -210,15 +212,23 @@ class Engine:
                                      "choices of one prompt (max_seqs)", param="n")
             constraints: list[Constraint | None] = [None] * n
             if params.grammar is not None:  # compiled now, off the event loop: a bad grammar is refused
-                grammar, where = params.grammar, params.grammar_param
-                # One matcher a choice: each advances with its own tokens.
-                constraints = list(await self._unless_drained(asyncio.to_thread(
-                    lambda: [self.grammars.constraint(grammar, where) for _ in range(n)])))
+                constraints = list(await self._compile(params, n, client))
             return self._submit(prompt, params, request_id or new_id(), stream_interval, client, n,
                                 constraints)
         except EngineError as e:
             self._safe(self.observer.on_rejected, e.code)
             raise
+
+    async def _compile(self, params: SamplingParams, n: int, client: str | None) -> list[Constraint]:
+        """The request's grammar, compiled once on the grammar pool (its work counts in the client's
+        share of the queue); one matcher a choice, copied: each advances with its own tokens."""
+        grammar, where = params.grammar, params.grammar_param
+        assert grammar is not None
+        room = self.config.client_queue_share() - self._waiting.by_client.get(client, 0)
+        first = await self._unless_drained(self.grammar_pool.run(
+            lambda: self.grammars.constraint(grammar, where), client,
+            client_room=room, total_room=self.config.max_queue - len(self._waiting)))
+        return [first, *(first.copy() for _ in range(n - 1))]
 
     async def _unless_drained(self, work: Awaitable[T]) -> T:
         """`work`'s result, or Draining as soon as a drain begins: a request still compiling its
@@ -228,8 +238,9 @@ class Engine:
             await asyncio.wait((task, drained), return_when=asyncio.FIRST_COMPLETED)
         finally:
             drained.cancel()
+            if not task.done():  # a drain, or the caller went away: work not begun never runs,
+                task.cancel()  # work running finishes alone and its result is dropped
         if not task.done():
-            task.cancel()  # its thread finishes alone; the result is dropped
             raise Draining("the server is shutting down")
         return task.result()
 

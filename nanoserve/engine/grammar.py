@@ -17,22 +17,26 @@ use it.
 from __future__ import annotations
 
 import json
-import os
+import logging
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import llguidance as llg
 import numpy as np
 import torch
 
+from nanoserve.engine import grammar_limits as limits
 from nanoserve.engine.types import GrammarSpec, InvalidRequest
 from nanoserve.model.tokenizer import BPETokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-MAX_GRAMMAR_CHARS = 64 * 1024  # a schema or regex longer than this is refused
 # JSON is written in one layout, `{"a": 1, "b": [2, 3]}`: with free whitespace a model may pad
 # forever (every step could pick a space) and never close the object.
 JSON_LAYOUT: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
@@ -41,18 +45,52 @@ JSON_LAYOUT: JsonCompileOptions = {"whitespace_flexible": False, "item_separator
 
 @dataclass(eq=False)
 class Constraint:
-    """One request's grammar state: advanced with each accepted token on the engine thread."""
+    """One request's grammar state: advanced with each accepted token on the engine thread.
+
+    `failure` is set, once, when the grammar can no longer be followed: the matcher went into
+    error (a limit hit while generating) or its masks ran past their time budget. The request
+    then ends with that error (Request.accept_token), never with a finish read as complete."""
 
     matcher: llg.LLMatcher
     n_vocab: int  # the width of the matcher's mask (the tokenizer's vocabulary)
+    failure: str | None = None
+    consumed: int = 0  # tokens accepted so far
+    mask_s: float = 0.0  # what its masks took, all together
+    masks: int = 0
+    words: np.ndarray | None = None  # the mask computed for `masked_at` tokens (GrammarMask.start)
+    masked_at: int = -1
+
+    def copy(self) -> Constraint:
+        """A matcher for another choice of the same request: the compiled grammar is shared."""
+        return Constraint(self.matcher.deep_copy(), self.n_vocab, consumed=self.consumed,
+                          words=self.words, masked_at=self.masked_at)
 
     def accept(self, token: int) -> None:
-        self.matcher.consume_token(token)
+        self.consumed += 1
+        if not self.matcher.consume_token(token) and self.failure is None:
+            self.failure = limits.matcher_failure(self.matcher.get_error())
 
     @property
     def complete(self) -> bool:
-        """The grammar allows nothing more but the end of the text."""
-        return bool(self.matcher.is_stopped())
+        """The grammar allows nothing more but the end of the text (a matcher in error is stopped
+        too, and is not complete)."""
+        return bool(self.matcher.is_stopped()) and not self.matcher.is_error()
+
+    def compute_mask(self, width: int) -> np.ndarray:
+        """This state's mask as (width,) int32 words, timed against the request's budget."""
+        words = np.zeros(width, dtype=np.int32)
+        t0 = time.perf_counter()
+        self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, width * 4)
+        took = time.perf_counter() - t0
+        self.mask_s += took
+        self.masks += 1
+        if self.failure is None:
+            if self.matcher.is_error():
+                self.failure = limits.matcher_failure(self.matcher.get_error())
+            else:
+                self.failure = limits.mask_failure(took, self.mask_s, self.masks)
+        self.words, self.masked_at = words, self.consumed
+        return words
 
 
 class _CharVocab:
@@ -96,11 +134,13 @@ class Grammars:
             return self._ll
 
     def constraint(self, spec: GrammarSpec, param: str) -> Constraint:
-        """A fresh matcher for `spec`; raises InvalidRequest naming `param` when the grammar is
-        invalid or this vocabulary cannot begin to write it."""
-        if len(spec.value) > MAX_GRAMMAR_CHARS:
+        """A fresh matcher for `spec`, its first mask computed; raises InvalidRequest naming
+        `param` when the grammar is invalid, passes one of grammar_limits' bounds, or this
+        vocabulary cannot begin to write it. Choices of one request copy it (Constraint.copy)."""
+        if len(spec.value) > limits.MAX_GRAMMAR_CHARS:
             raise InvalidRequest(f"{param}: the grammar has {len(spec.value)} characters, more than "
-                                 f"{MAX_GRAMMAR_CHARS}", param=param)
+                                 f"{limits.MAX_GRAMMAR_CHARS} (max_grammar_chars)", param=param)
+        t0 = time.perf_counter()
         try:
             if spec.kind == "regex":
                 grammar = llg.LLMatcher.grammar_from_regex(spec.value)
@@ -109,20 +149,58 @@ class Grammars:
         except Exception as e:  # the library reports a bad schema or regex as ValueError or its own
             raise InvalidRequest(f"{param}: invalid {_kind_name(spec)}: {e}", param=param) from None
         ll = self._lltokenizer(param)
-        matcher = llg.LLMatcher(ll, grammar, log_level=0)
-        if matcher.is_error():
-            raise InvalidRequest(f"{param}: invalid {_kind_name(spec)}: {matcher.get_error()}", param=param)
-        constraint = Constraint(matcher, ll.vocab_size)
-        self._check_expressible(constraint, param)
+        constraint = Constraint(llg.LLMatcher(ll, grammar, log_level=0, limits=limits.parser_limits()),
+                                ll.vocab_size)
+        self._check_matcher(constraint, spec, param)
+        self._check_expressible(constraint, param)  # computes the first mask: the start's lexer states
+        self._check_matcher(constraint, spec, param)
+        self._check_matcher(self._probe(constraint), spec, param)
+        took = time.perf_counter() - t0
+        if took > limits.MAX_COMPILE_S:
+            raise InvalidRequest(f"{param}: the grammar took {took:.2f} s to compile, more than the limit "
+                                 f"of {limits.MAX_COMPILE_S:.1f} s (max_compile_s)", param=param)
+        # The first mask was the compile's (bounded by max_compile_s): the budget starts at generation.
+        constraint.mask_s, constraint.masks, constraint.failure = 0.0, 0, None
         return constraint
+
+    def _probe(self, c: Constraint) -> Constraint:
+        """A copy of `c` walked PROBE_TOKENS tokens down one path (the first token each mask
+        allows), its masks computed: llguidance builds a lexeme's states when the text enters it,
+        so a bound a grammar passes only past its first character (`x{100000}`, a JSON string's
+        pattern) is found here, at compile, rather than while generating."""
+        probe = c.copy()
+        width = (c.n_vocab + 31) // 32
+        words = probe.words if probe.words is not None else probe.compute_mask(width)
+        for _ in range(limits.PROBE_TOKENS):
+            if probe.matcher.is_error() or probe.matcher.is_stopped():
+                break
+            allowed = np.flatnonzero(~_disallowed(words.reshape(1, -1), c.n_vocab)[0])
+            allowed = allowed[allowed != self.tokenizer.eos_id]
+            if not len(allowed) or not probe.matcher.consume_token(int(allowed[0])):
+                break
+            probe.consumed += 1
+            words = probe.compute_mask(width)
+        return probe
+
+    @staticmethod
+    def _check_matcher(c: Constraint, spec: GrammarSpec, param: str) -> None:
+        if not c.matcher.is_error():
+            return
+        error = c.matcher.get_error()
+        limit = limits.limit_hit(error)
+        if limit is not None:
+            raise InvalidRequest(f"{param}: the {_kind_name(spec)} exceeds {limit}: "
+                                 f"{limits.first_line(error)}", param=param)
+        raise InvalidRequest(f"{param}: invalid {_kind_name(spec)}: {error.strip()}", param=param)
 
     def _check_expressible(self, c: Constraint, param: str) -> None:
         """Refuse a grammar whose first character no token of this vocabulary can write (a
         character model without `{` asked for JSON). Whitespace-only tokens do not count: a JSON
         grammar allows them before its first bracket, and they lead nowhere by themselves."""
-        if c.matcher.is_accepting():
-            return
-        words = np.frombuffer(c.matcher.compute_bitmask(), dtype=np.int32).reshape(1, -1)
+        words = c.compute_mask((c.n_vocab + 31) // 32).reshape(1, -1)
+        stuck = c.matcher.is_error() and "NoExtensionBias" in c.matcher.get_error()  # no token fits
+        if not stuck and (c.matcher.is_error() or c.matcher.is_accepting()):
+            return  # an error is reported by _check_matcher, naming its limit
         banned = _disallowed(words, min(c.n_vocab, self.tokenizer.vocab_size))[0]
         for token in np.flatnonzero(~banned).tolist():
             if token != self.tokenizer.eos_id and self.tokenizer.decode([token]).strip():
@@ -148,46 +226,67 @@ def _disallowed(words: np.ndarray, n_vocab: int) -> np.ndarray:
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 
+def _compute_masks(constraints: list[Constraint], width: int) -> None:
+    for c in constraints:
+        c.compute_mask(width)
+
+
 class GrammarMask:
-    """Masks the constrained rows of a step's logits; unconstrained rows cost nothing."""
+    """Masks the constrained rows of a step's logits; unconstrained rows cost nothing.
+
+    `start` computes the masks of the rows a step will sample on a thread of its own while the
+    forward runs (llguidance drops the GIL, as the forward's kernels do), so a step pays for its
+    masks only where they take longer than its forward; `apply` then waits for them and fills the
+    logits. Each row's mask is timed against its request's budget (grammar_limits.py)."""
 
     def __init__(self) -> None:
-        self._executor: Any = None
-        self._buf = np.zeros((0, 0), dtype=np.int32)
+        self._thread: ThreadPoolExecutor | None = None
+        self._job: Future[None] | None = None
+
+    def start(self, constraints: list[Constraint]) -> None:
+        """Begin the masks of `constraints` (their current states) beside the step's forward."""
+        self.wait()
+        todo = [c for c in constraints if c.failure is None and c.masked_at != c.consumed]
+        if not todo:
+            return
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")
+        width = (todo[0].n_vocab + 31) // 32
+        self._job = self._thread.submit(_compute_masks, todo, width)
+
+    def wait(self) -> None:
+        """Until the masks `start` began are done (the engine thread calls this before it touches
+        their matchers again)."""
+        job, self._job = self._job, None
+        if job is not None and job.exception() is not None:  # the rows compute theirs again in apply
+            log.error("grammar masks failed beside the forward: %r", job.exception())
 
     def apply(self, rows: list[tuple[int, Constraint]], logits: torch.Tensor) -> None:
-        """rows: (row of logits, its constraint). Disallowed tokens become -inf in place."""
-        for _, c in rows:
-            # A matcher in error (a resource limit hit mid-text) would mask every token: fail its
-            # row by name instead (the scheduler isolates a sampling failure to its own rows).
-            if c.matcher.is_error():
-                raise RuntimeError(f"the grammar failed: {c.matcher.get_error()}")
-        n_vocab = rows[0][1].n_vocab
-        width = (n_vocab + 31) // 32
-        if self._buf.shape[0] < len(rows) or self._buf.shape[1] != width:
-            self._buf = np.zeros((max(len(rows), 8), width), dtype=np.int32)
-        buf = self._buf[: len(rows)]
-        ptr = buf.ctypes.data
-        if len(rows) == 1:
-            rows[0][1].matcher.unsafe_compute_mask_ptr(ptr, width * 4)
-        else:  # llguidance fills the rows on its own threads, without the GIL
-            if self._executor is None:
-                self._executor = llg.LLExecutor(max(1, min(8, os.cpu_count() or 1)))
-            self._executor.unsafe_compute_mask_ptr(
-                [(c.matcher, k) for k, (_, c) in enumerate(rows)], ptr, width * 4, len(rows))
-        cols = min(n_vocab, logits.shape[1])
-        banned = _disallowed(buf, cols)
-        every_row = [j for j, _ in rows] == list(range(logits.shape[0]))
+        """rows: (row of logits, its constraint). Disallowed tokens become -inf in place. A row
+        whose grammar failed (Constraint.failure) is left alone: its request ends with the error
+        when its token comes back (Request.accept_token), and no token of it is kept."""
+        self.wait()
+        width = (rows[0][1].n_vocab + 31) // 32
+        live = []
+        for j, c in rows:
+            words = c.words if c.masked_at == c.consumed and c.words is not None else c.compute_mask(width)
+            if c.failure is None:
+                live.append((j, words))
+        if not live:
+            return
+        cols = min(rows[0][1].n_vocab, logits.shape[1])
+        banned = _disallowed(np.stack([w for _, w in live]), cols)
+        every_row = [j for j, _ in live] == list(range(logits.shape[0]))
         if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES and logits.is_contiguous():
             arr = logits.numpy()
             if every_row:
                 np.copyto(arr[:, :cols], -np.inf, where=banned)
-            for k, (j, _) in enumerate(rows if not every_row else ()):
+            for k, (j, _) in enumerate(live if not every_row else ()):
                 np.copyto(arr[j, :cols], -np.inf, where=banned[k])
             return
         mask = torch.from_numpy(banned).to(logits.device)
         if every_row:  # one in-place fill
             logits[:, :cols].masked_fill_(mask, float("-inf"))
             return
-        for k, (j, _) in enumerate(rows):  # views of single rows: in place, no gather/scatter copy
+        for k, (j, _) in enumerate(live):  # views of single rows: in place, no gather/scatter copy
             logits[j, :cols].masked_fill_(mask[k], float("-inf"))

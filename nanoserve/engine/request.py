@@ -13,7 +13,15 @@ from nanoserve.engine.detokenizer import IncrementalDecoder, StopMatcher
 from nanoserve.engine.grammar import Constraint
 from nanoserve.engine.inbox import Inbox
 from nanoserve.engine.prompt_scores import PromptScores, prompt_of
-from nanoserve.engine.types import FinishReason, Prompt, SamplingParams, TokenEvent, TopToken, Usage
+from nanoserve.engine.types import (
+    GRAMMAR_LIMIT,
+    FinishReason,
+    Prompt,
+    SamplingParams,
+    TokenEvent,
+    TopToken,
+    Usage,
+)
 from nanoserve.model.tokenizer import Tokenizer
 
 
@@ -112,12 +120,17 @@ class Request:
         now: float,
     ) -> TokenEvent:
         """Record a sampled token; returns its event (the final one when the request ends)."""
+        c = self.constraint
+        if c is not None and c.failure is None:
+            c.accept(token_id)
+        if c is not None and c.failure is not None:
+            # The grammar cannot be followed (a limit hit, or its masks over budget): the token
+            # was drawn without a valid mask, or broke the matcher, and is not kept.
+            return self.final_event(FinishReason.ERROR, now, error=c.failure, code=GRAMMAR_LIMIT)
         if self.first_token_at is None:
             self.first_token_at = now
         index = len(self.generated)
         self.generated.append(token_id)
-        if self.constraint is not None:
-            self.constraint.accept(token_id)
         special = self.tokenizer.is_special(token_id)
         reason: FinishReason | None = None
         if self.params.stop_on_eos and (token_id == eos_id or token_id in self.tokenizer.end_ids):
@@ -148,10 +161,11 @@ class Request:
         text, stopped = self.stopper.feed(self.decoder.flush())
         return text if stopped else text + self.stopper.flush()
 
-    def final_event(self, reason: FinishReason, now: float, error: str | None = None) -> TokenEvent:
+    def final_event(self, reason: FinishReason, now: float, error: str | None = None,
+                    code: str | None = None) -> TokenEvent:
         """The closing event when the request ends without a new token (cancel, error, drain)."""
         self.finished = True
         text = self._flush_text() if reason is not FinishReason.ERROR else ""
         prompt = self._prompt_once() if reason is not FinishReason.ERROR else None
         event = TokenEvent(index=len(self.generated), token_id=None, text=text, prompt=prompt)
-        return replace(event, finish_reason=reason, usage=self.usage(now), error=error)
+        return replace(event, finish_reason=reason, usage=self.usage(now), error=error, error_code=code)

@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from nanoserve.engine.types import FinishReason, GrammarSpec, InvalidRequest
+from tests.conftest import TINY_VOCAB_TEXT
 from tests.engine.conftest import EngineFactory, collect, token_ids
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -73,12 +74,11 @@ def test_a_word_vocabulary_is_refused_naming_the_field() -> None:
     assert info.value.param == "parameters.grammar"
 
 
-def test_a_matcher_in_error_fails_its_row_by_name() -> None:
+def test_a_failed_grammar_leaves_its_row_unmasked_and_ends_its_request() -> None:
     import torch
 
     from nanoserve.engine.grammar import GrammarMask, Grammars
     from nanoserve.model.tokenizer import CharTokenizer
-    from tests.conftest import TINY_VOCAB_TEXT
 
     tok = CharTokenizer.train(TINY_VOCAB_TEXT)
     constraint = Grammars(tok).constraint(GrammarSpec("regex", "ab"), "grammar")
@@ -92,5 +92,8 @@ def test_a_matcher_in_error_fails_its_row_by_name() -> None:
         GrammarMask().apply([(0, constraint)], both)  # every row: one fill
         assert (both[0] > float("-inf")).nonzero().flatten().tolist() == tok.encode("a")
     constraint.accept(tok.encode("z")[0])  # a token the mask forbade puts the matcher in error
-    with pytest.raises(RuntimeError, match="the grammar failed"):
-        GrammarMask().apply([(0, constraint)], logits)
+    assert constraint.failure is not None and "the grammar failed while generating" in constraint.failure
+    assert not constraint.complete  # an error is not the grammar's end
+    logits = torch.zeros((1, tok.vocab_size))
+    GrammarMask().apply([(0, constraint)], logits)
+    assert bool((logits == 0).all())  # not masked to nothing: the request ends by name instead

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from starlette.requests import Request
 
-from nanoserve.engine.types import FinishReason, InvalidRequest, SamplingParams, TokenEvent
+from nanoserve.engine.types import GRAMMAR_LIMIT, FinishReason, InvalidRequest, SamplingParams, TokenEvent
 from nanoserve.server.http.access_log import record_of
 from nanoserve.server.http.errors import APIError
 from nanoserve.server.settings import Settings
@@ -33,6 +33,7 @@ from nanoserve.server.streaming.sse import ErrorEvent, EventStreamResponse, Rend
 if TYPE_CHECKING:
     from nanoserve.engine.engine import Engine, GenerationStream
 
+T = TypeVar("T")
 
 @dataclass
 class Generation:
@@ -126,10 +127,12 @@ async def start_choices(
         ids = prompt
     record = record_of(request)
     try:
-        streams = await engine.generate_choices(
+        submit = engine.generate_choices(
             ids, params, n, request_id=record.request_id,
             stream_interval=request.app.state.settings.stream_interval, client=client,
         )
+        # A grammar compiles first (engine/grammar_pool.py): a client gone meanwhile cancels it.
+        streams = await (_unless_disconnected(request, submit) if params.grammar is not None else submit)
     except InvalidRequest as exc:
         if exc.param in (None, "inputs"):  # the engine's name for the prompt: the route's field
             exc.param = param
@@ -186,6 +189,21 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or a 499 (the work cancelled) when the client disconnects first."""
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done():
+        record_of(request).finish_reason = FinishReason.CANCELLED.value
+        raise APIError(499, "client disconnected", code="client_disconnected")
+    return task.result()
+
+
 async def _drain(gen: Generation, out: Completed) -> None:
     async for event in gen.events:
         out.events.append(event)
@@ -230,6 +248,9 @@ async def collect_all(request: Request, gens: Sequence[Generation]) -> list[Comp
 def _check_finished(out: Completed) -> None:
     if not out.events or out.final.finish_reason is None:
         raise APIError(500, "the generation ended without a finish reason", code="incomplete_generation")
+    if out.final.finish_reason is FinishReason.ERROR and out.final.error_code == GRAMMAR_LIMIT:
+        # The request's own grammar passed a bound while generating: the client's error.
+        raise APIError(422, f"generation failed: {out.final.error}", code=GRAMMAR_LIMIT)
     if out.final.finish_reason is FinishReason.ERROR:
         reason = out.final.error or "engine error"
         raise APIError(500, f"generation failed: {reason}", code="generation_error")
