@@ -42,7 +42,7 @@ from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.config import rules as engine_rules
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.threads import single_threaded_executor
-from nanoserve.model.checkpoint import Checkpoint, load_checkpoint, with_chat_template_file
+from nanoserve.model.checkpoint import Checkpoint
 from nanoserve.server.api.docs import install_docs_page, install_openapi
 from nanoserve.server.api.openai.responses_store import ResponseStore
 from nanoserve.server.deps import EngineDep, SettingsDep, get_engine, get_settings, server_version
@@ -53,8 +53,13 @@ from nanoserve.server.http.errors import install_error_handlers
 from nanoserve.server.http.head import HeadAsGet
 from nanoserve.server.http.request_guard import BodyLimitMiddleware, DrainGate, HeaderLimitMiddleware
 from nanoserve.server.metrics import Metrics
+from nanoserve.server.metrics.models import ModelSample, ModelsCollector, reload_counter
+from nanoserve.server.models.headers import ModelHeaders
+from nanoserve.server.models.loading import load_served
+from nanoserve.server.models.registry import ModelRegistry, ServedModel, model_specs
+from nanoserve.server.models.reload import Reloader
 from nanoserve.server.runtime.gil import apply_switch_interval
-from nanoserve.server.runtime.heap import freeze_startup_heap, return_free_memory
+from nanoserve.server.runtime.heap import freeze_startup_heap
 from nanoserve.server.settings import Settings
 from nanoserve.server.streaming.encoding import EncodeQueue
 
@@ -83,20 +88,54 @@ class Lifecycle:
 
 
 async def drain(app: FastAPI, timeout_s: float) -> None:
-    """Stop admitting (readiness 503, new requests 503), let in-flight requests finish, stop the engine."""
+    """Stop admitting (readiness 503, new requests 503), let in-flight requests finish, stop the engines."""
     lifecycle: Lifecycle = app.state.lifecycle
     if lifecycle.drain_started:
         return
     lifecycle.drain_started = True
     lifecycle.draining = True
-    engine: Engine | None = app.state.engine
+    registry: ModelRegistry = app.state.registry
     log.info("draining: waiting up to %.1fs for in-flight requests", timeout_s)
-    cut = await engine.shutdown(timeout_s) if engine is not None else 0
+    cut = sum(await asyncio.gather(*(e.shutdown(timeout_s) for e in registry.engines())))
     if cut:
         log.warning("drain timeout (%.1fs) cut %d unfinished request%s", timeout_s, cut,
                     "s" if cut != 1 else "")
     else:
         log.info("drained")  # every in-flight request finished
+
+
+async def _load_models(app: FastAPI, config: EngineConfig) -> None:
+    """Load, validate and warm up every model the settings name, in order (the first is the default)."""
+    settings: Settings = app.state.settings
+    registry: ModelRegistry = app.state.registry
+    # Checkpoints handed to create_app serve one start: nothing may keep their weights once the
+    # engines have them (the runner frees the model's copies the native step packed); a later
+    # start loads the files they came from.
+    given: list[Checkpoint] = app.state.checkpoints
+    app.state.checkpoints = []
+    for i, spec in enumerate(model_specs(settings.checkpoint, settings.models)):
+        checkpoint = given[i] if i < len(given) else None
+        # `nanoserve serve` applied --chat-template to the checkpoints it loaded already.
+        template = settings.chat_template if checkpoint is None else None
+        served = await load_served(spec, config, app.state.metrics.observer, chat_template=template,
+                                   checkpoint=checkpoint)
+        del checkpoint
+        try:
+            registry.add(served)
+        except ValueError:
+            await served.engine.shutdown(0.0)
+            raise
+        log.info("model %s: %s, window %d, from %s", served.name, served.version.label(),
+                 served.engine.window, served.path)
+    given.clear()
+
+
+def _serve_default(app: FastAPI, served: ServedModel) -> None:
+    """After a load or a swap: app.state.engine and the unlabelled gauges follow the default model."""
+    registry: ModelRegistry = app.state.registry
+    if registry.default is served:
+        app.state.engine = served.engine
+        app.state.metrics.bind_engine(served.engine)
 
 
 @asynccontextmanager
@@ -105,40 +144,42 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     # Before the first `to_thread`: blocking work (loading, the engine's weight packing, long
     # prompts' encoding) must not leave an OpenMP pool beside the engine thread's.
     asyncio.get_running_loop().set_default_executor(single_threaded_executor())
-    # A checkpoint handed to create_app serves one start: nothing may keep its weights once the
-    # engine has them (the runner frees the model's copies the native step packed); a later start
-    # loads settings.checkpoint, the file it came from.
-    checkpoint: Checkpoint | None = app.state.checkpoint
-    app.state.checkpoint = None
-    if checkpoint is None:
-        checkpoint = await asyncio.to_thread(load_checkpoint, settings.checkpoint)
-        if settings.chat_template is not None:  # `nanoserve serve` applied it already
-            checkpoint = with_chat_template_file(checkpoint, settings.chat_template)
     metrics: Metrics = app.state.metrics
+    registry: ModelRegistry = app.state.registry
     config = engine_config(settings)
-    engine = await asyncio.to_thread(Engine, checkpoint, config, metrics.observer)
-    del checkpoint
-    return_free_memory()  # the weights the engine released (nanoserve/server/runtime/heap.py)
-    metrics.bind_engine(engine)
     # The server's own process: an application embedding the Engine keeps its interpreter's setting.
     apply_switch_interval(settings.gil_switch_interval, config.resolved_device())
-    engine.start()
     frozen = False
+    reloader: Reloader | None = None
     try:
-        await engine.warmup()
+        await _load_models(app, config)
+        default = registry.default
+        assert default is not None
+        _serve_default(app, default)
+        reloader = Reloader(
+            registry, config, metrics.observer, chat_template=settings.chat_template,
+            drain_timeout=settings.drain_timeout, counter=app.state.reload_counter,
+            on_swap=lambda served: _serve_default(app, served),
+        )
+        app.state.reloader = reloader
+        if settings.watch:
+            reloader.spawn(reloader.watch())
         frozen = freeze_startup_heap()
-        app.state.engine = engine
         weights = config.dtype
         if config.quantize == "int8":
             weights = f"int8 (linear layers; the rest {config.dtype})"
-        log.info("serving %s (window %d) on %s, weights %s", engine.checkpoint.name, engine.window,
-                 config.resolved_device(), weights)
+        log.info("serving %s (window %d) on %s, weights %s", ", ".join(registry.names()),
+                 default.engine.window, config.resolved_device(), weights)
         yield
     finally:
         app.state.engine = None
+        app.state.reloader = None
+        if reloader is not None:
+            reloader.stop()
         if frozen:
             gc.unfreeze()
-        await drain_engine(engine, 0.0 if app.state.lifecycle.draining else settings.drain_timeout)
+        timeout = 0.0 if app.state.lifecycle.draining else settings.drain_timeout
+        await asyncio.gather(*(drain_engine(e, timeout) for e in registry.engines()))
 
 
 async def drain_engine(engine: Engine, timeout_s: float) -> None:
@@ -155,6 +196,7 @@ def _include_routers(app: FastAPI) -> None:
     from nanoserve.server.api.openai.routes import router as openai_router
     from nanoserve.server.api.system import router as system_router
     from nanoserve.server.api.tgi.routes import router as tgi_router
+    from nanoserve.server.models.routes import router as models_router
 
     app.include_router(system_router)
     app.include_router(tgi_router)
@@ -162,11 +204,15 @@ def _include_routers(app: FastAPI) -> None:
     app.include_router(embeddings_router)
     app.include_router(responses_router)
     app.include_router(chat_page_router)
+    app.include_router(models_router)
 
 
-def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | None = None) -> FastAPI:
-    """The ASGI app. `checkpoint`, when given, is served instead of loading `settings.checkpoint`
-    (at the first start only: see lifespan)."""
+def create_app(
+    settings: Settings | None = None, *, checkpoint: Checkpoint | None = None,
+    checkpoints: list[Checkpoint] | None = None,
+) -> FastAPI:
+    """The ASGI app. `checkpoint` (or `checkpoints`, one per model the settings name, in order), when
+    given, is served instead of loading the files (at the first start only: see _load_models)."""
     settings = settings or Settings()
     app = FastAPI(
         title="nanoserve",
@@ -182,11 +228,16 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
         docs_url=None,  # install_docs_page: the same page, its assets served from here, not a CDN
     )
     app.state.settings = settings
-    app.state.checkpoint = checkpoint
-    app.state.engine = None
+    app.state.checkpoints = list(checkpoints or ([checkpoint] if checkpoint is not None else []))
+    app.state.registry = registry = ModelRegistry()
+    app.state.reloader = None
+    app.state.engine = None  # the default model's engine (nanoserve/server/models/registry.py)
     app.state.api_keys = settings.api_key_values()
     app.state.lifecycle = Lifecycle()
     app.state.metrics = Metrics()
+    app.state.metrics.registry.register(ModelsCollector(lambda: [
+        ModelSample(m.name, m.version.label(), m.engine) for m in registry]))
+    app.state.reload_counter = reload_counter(app.state.metrics.registry)
     app.state.encode_queue = EncodeQueue(settings.max_pending_encode_chars)
     app.state.responses_store = ResponseStore(settings.responses_store, settings.responses_store_mb << 20)
     install_error_handlers(app)
@@ -194,6 +245,7 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     install_openapi(app)
     install_docs_page(app)
     # add_middleware wraps: the last one added is the outermost.
+    app.add_middleware(ModelHeaders)
     app.add_middleware(HeadAsGet)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
                        timeout_s=settings.body_timeout)

@@ -4,8 +4,10 @@ Flags override `NANOSERVE_*` environment variables, which override defaults (nan
 A bad setting, a missing or corrupt checkpoint, or an impossible device/dtype is one clear line on
 stderr and a non-zero exit before the port opens.
 
-SIGTERM (or Ctrl-C) drains: readiness turns 503 and new requests get 503 at once, requests already
-accepted finish within `drain_timeout`, then the process exits 0. A second Ctrl-C forces the exit.
+SIGHUP reloads the checkpoints whose files changed, without dropping a request
+(nanoserve/server/models/reload.py). SIGTERM (or Ctrl-C) drains: readiness turns 503 and new
+requests get 503 at once, requests already accepted finish within `drain_timeout`, then the
+process exits 0. A second Ctrl-C forces the exit.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import uvicorn
 from fastapi import FastAPI
 from pydantic import ValidationError
 
+from nanoserve.server.models.registry import ModelSpec, model_specs
 from nanoserve.server.settings import Settings, unknown_variables
 
 if TYPE_CHECKING:
@@ -52,7 +55,11 @@ def add_serve_parser(sub: Any) -> None:
         helptext = (field.description or name.replace("_", " ")) + f" [env NANOSERVE_{name.upper()}]"
         if name == "api_keys":
             helptext += " (prefer the environment: flags show up in `ps`)"
-        if _is_bool(field.annotation):
+        if name == "checkpoint":  # repeatable: several models in one server
+            parser.add_argument(flag, dest=name, action="append", default=argparse.SUPPRESS,
+                                metavar="[NAME=]PATH", help=helptext + "; repeat it to serve several "
+                                "(each named NAME, else by its checkpoint's name; the first is the default)")
+        elif _is_bool(field.annotation):
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=helptext)
         else:
@@ -63,6 +70,12 @@ def add_serve_parser(sub: Any) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     overrides = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    paths = overrides.pop("checkpoint", None)
+    if paths:  # one plain PATH is `checkpoint`; several, or NAME=PATH, are `models`
+        specs = [ModelSpec.parse(p) for p in paths]
+        overrides["checkpoint"] = specs[0].path
+        if len(paths) > 1 or specs[0].name is not None:
+            overrides["models"] = paths
     return Settings(**overrides)
 
 
@@ -99,13 +112,22 @@ def run_serve(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
     except ValidationError as e:
         return _fail(_describe(e))
+    checkpoints, names = [], []
     try:
         engine = engine_config(settings)  # device/dtype, fault spec: fail before loading anything
-        checkpoint = load_checkpoint(settings.checkpoint)
-        # The KV cache and the engine's other buffers against memory, before any is allocated.
-        check_memory(checkpoint, engine)
-        if settings.chat_template is not None:
-            checkpoint = with_chat_template_file(checkpoint, settings.chat_template)
+        for spec in model_specs(settings.checkpoint, settings.models):
+            checkpoint = load_checkpoint(spec.path)
+            # The KV cache and the engine's other buffers against memory, before any is allocated.
+            # Engines load one after another, each checked against what the ones before left.
+            check_memory(checkpoint, engine)
+            if settings.chat_template is not None:
+                checkpoint = with_chat_template_file(checkpoint, settings.chat_template)
+            checkpoints.append(checkpoint)
+            name = spec.name or checkpoint.name
+            if name in names:
+                raise ValueError(f"two models are named {name!r}: name one with --checkpoint NAME=PATH")
+            names.append(name)
+        del checkpoint
     except CheckpointError as e:
         return _fail(f"cannot load checkpoint: {e}")
     except ChatTemplateError as e:
@@ -115,8 +137,8 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_format)
     for warning in unknown_variables(os.environ):
         log.warning(warning)
-    app = create_app(settings, checkpoint=checkpoint)
-    del checkpoint  # the app's lifespan hands it to the engine and drops it (nanoserve/server/app.py)
+    app = create_app(settings, checkpoints=checkpoints)
+    del checkpoints  # the app's lifespan hands them to the engines and drops them (nanoserve/server/app.py)
     guard = ConnectionGuard(connection_limits(settings), app.state.metrics.instruments)
     config = uvicorn.Config(
         app,
@@ -180,7 +202,22 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        # SIGHUP reloads the checkpoints whose files changed (nanoserve/server/models/reload.py)
+        # instead of ending the process.
+        self._loop.add_signal_handler(signal.SIGHUP, self._reload)
+        try:
+            await super().serve(sockets)
+        finally:
+            self._loop.remove_signal_handler(signal.SIGHUP)
+
+    def _reload(self) -> None:
+        reloader = self.app.state.reloader
+        if reloader is None or self.app.state.lifecycle.is_draining():
+            log.info("received SIGHUP: nothing to reload (%s)",
+                     "draining" if reloader is not None else "still loading")
+            return
+        log.info("received SIGHUP: reloading the checkpoints whose files changed")
+        reloader.spawn(reloader.reload())
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not uvicorn's handler: that one re-raises the signal after shutdown (exit status -15).

@@ -70,6 +70,15 @@ class Settings(EngineSettings):
 
     # What to serve, where.
     checkpoint: Path = Field(default=DEFAULT_CHECKPOINT, description="Checkpoint directory to serve.")
+    models: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Checkpoints to serve together, comma-separated, each PATH or NAME=PATH (named by "
+        "its checkpoint's name otherwise); the first is the default. `--checkpoint` given more than "
+        "once fills this; empty: `checkpoint` alone.",
+    )
+    watch: bool = Field(
+        default=False, description="Reload a checkpoint when its files change on disk (polled each second)."
+    )
     chat_template: Path | None = Field(
         default=None,
         description="A chat template to use instead of the checkpoint's: a Jinja file (as Hugging Face "
@@ -177,7 +186,7 @@ class Settings(EngineSettings):
         default="text", description="text, or one JSON object a line."
     )
 
-    @field_validator("api_keys", "cors_origins", mode="before")
+    @field_validator("api_keys", "cors_origins", "models", mode="before")
     @classmethod
     def _comma_list(cls, value: object) -> object:
         return _split_commas(value)

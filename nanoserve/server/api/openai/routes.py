@@ -143,20 +143,21 @@ async def _fit_window(request: Request, engine: Any, settings: Settings, templat
 
 
 @router.get("/models", response_model=ModelList)
-async def list_models(engine: EngineDep) -> ModelList:
-    """The served model (OpenAI's model list; one entry)."""
-    return ModelList(data=[_model_card(engine)])
+async def list_models(request: Request, engine: EngineDep) -> ModelList:
+    """The served models (OpenAI's model list; the first is the default)."""
+    return ModelList(data=[_model_card(m.engine) for m in request.app.state.registry])
 
 
 @router.get("/models/{model_id}", response_model=ModelCard,
-            responses={404: {"description": "Not the served model.", "model": ErrorResponse}})
-async def get_model(model_id: str, engine: EngineDep) -> ModelCard:
-    """One model by id (404 unless it is the served one)."""
-    served = _served_model(engine)
-    if model_id != served:
-        raise APIError(404, f"model {model_id!r} does not exist; this server serves {served!r}",
+            responses={404: {"description": "Not a served model.", "model": ErrorResponse}})
+async def get_model(model_id: str, request: Request, engine: EngineDep) -> ModelCard:
+    """One model by id (404 unless it is served)."""
+    served = {m.name: m.engine for m in request.app.state.registry}
+    if model_id not in served:
+        names = ", ".join(repr(name) for name in served)
+        raise APIError(404, f"model {model_id!r} does not exist; this server serves {names}",
                        code="model_not_found", param="model")
-    return _model_card(engine)
+    return _model_card(served[model_id])
 
 
 def _model_card(engine: Any) -> ModelCard:

@@ -84,8 +84,9 @@ class GenerationRequest(BaseModel):
         return data
 
     model: str | None = Field(
-        None, max_length=256, description="Not used to choose: the server serves one model, which "
-        "answers whatever is named here (as TGI and llama.cpp's server do); responses name it."
+        None, max_length=256, description="The served model to answer (GET /v1/models); none: the "
+        "first. While one model is served it answers any name (as TGI and llama.cpp's server do); "
+        "responses name it."
     )
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)

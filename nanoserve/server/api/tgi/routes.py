@@ -344,13 +344,19 @@ def token_spans(tokenizer: Tokenizer, text: str, ids: list[int]) -> list[dict[st
 
 
 @router.get("/info", response_model=Info, responses=error_responses(401, 503, model=TGIErrorResponse))
-async def info(engine: EngineDep, settings: SettingsDep) -> Info:
-    """The served model, its checkpoint's provenance, the server's limits and version."""
+async def info(request: Request, engine: EngineDep, settings: SettingsDep) -> Info:
+    """The model (the X-Model header's, else the default), its checkpoint's provenance and version,
+    every served model, the server's limits and version."""
     report = engine.info()
+    served = {m.name: m for m in request.app.state.registry}
+    this = served.get(engine.checkpoint.name)
     window = engine.window
     max_input = max(1, min(settings.max_prompt_tokens, window - 1))  # TGI: input < total
     return Info(
         model_id=str(report.get("model", engine.checkpoint.name)),
+        model_sha=this.version.digest if this is not None else None,
+        model_version=this.version.label() if this is not None else None,
+        models=[m.describe() for m in served.values()],
         model_dtype=str(report.get("dtype", settings.dtype)),
         model_device_type=str(report.get("device", settings.device)),
         max_concurrent_requests=settings.max_seqs,

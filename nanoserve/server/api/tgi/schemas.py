@@ -240,7 +240,8 @@ class Info(BaseModel):
     """GET /info: TGI's fields, plus the model, checkpoint provenance and limits."""
 
     model_id: str
-    model_sha: str | None = Field(default=None, description="A hub revision; null (checkpoints record none).")
+    model_sha: str | None = Field(default=None, description="The checkpoint's content hash (sha256 of its "
+                                  "config, tokenizer and weights files).")
     model_dtype: str
     model_device_type: str
     model_pipeline_tag: str | None = "text-generation"
@@ -265,3 +266,8 @@ class Info(BaseModel):
     max_body_bytes: int
     window: int
     engine: dict[str, Any] = Field(description="The engine's own report: model config, checkpoint, limits.")
+    model_version: str | None = Field(default=None, description="sha256:<12 hex>@step<N>: the content "
+                                      "hash and the training step it was saved at.")
+    models: list[dict[str, Any]] = Field(
+        default_factory=list, description="Every served model, the default first: name, version, sha256, "
+        "step, window, reloads and the last failed reload's reason (null when none failed).")
