@@ -151,10 +151,10 @@ class Grammars:
         ll = self._lltokenizer(param)
         constraint = Constraint(llg.LLMatcher(ll, grammar, log_level=0, limits=limits.parser_limits()),
                                 ll.vocab_size)
-        self._check_matcher(constraint, spec, param)
+        self._check_matcher(constraint, spec, param, "invalid")
         self._check_expressible(constraint, param)  # computes the first mask: the start's lexer states
-        self._check_matcher(constraint, spec, param)
-        self._check_matcher(self._probe(constraint), spec, param)
+        self._check_matcher(constraint, spec, param, "unwritable")
+        self._check_matcher(self._probe(constraint), spec, param, "unwritable")
         took = time.perf_counter() - t0
         if took > limits.MAX_COMPILE_S:
             raise InvalidRequest(f"{param}: the grammar took {took:.2f} s to compile, more than the limit "
@@ -183,13 +183,18 @@ class Grammars:
         return probe
 
     @staticmethod
-    def _check_matcher(c: Constraint, spec: GrammarSpec, param: str) -> None:
+    def _check_matcher(c: Constraint, spec: GrammarSpec, param: str, otherwise: str) -> None:
+        """Refuse a matcher in error: by the limit it hit, else as an `invalid` grammar (its
+        compile failed) or an `unwritable` one (a text this vocabulary writes breaks it)."""
         if not c.matcher.is_error():
             return
         error = c.matcher.get_error()
         limit = limits.limit_hit(error)
         if limit is not None:
             raise InvalidRequest(f"{param}: the {_kind_name(spec)} exceeds {limit}: "
+                                 f"{limits.first_line(error)}", param=param)
+        if otherwise == "unwritable":
+            raise InvalidRequest(f"{param}: this model's vocabulary cannot express the grammar: "
                                  f"{limits.first_line(error)}", param=param)
         raise InvalidRequest(f"{param}: invalid {_kind_name(spec)}: {error.strip()}", param=param)
 

@@ -14,7 +14,7 @@ from nanoserve.engine.grammar import Constraint
 from nanoserve.engine.inbox import Inbox
 from nanoserve.engine.prompt_scores import PromptScores, prompt_of
 from nanoserve.engine.types import (
-    GRAMMAR_LIMIT,
+    GRAMMAR_FAILED,
     FinishReason,
     Prompt,
     SamplingParams,
@@ -126,7 +126,7 @@ class Request:
         if c is not None and c.failure is not None:
             # The grammar cannot be followed (a limit hit, or its masks over budget): the token
             # was drawn without a valid mask, or broke the matcher, and is not kept.
-            return self.final_event(FinishReason.ERROR, now, error=c.failure, code=GRAMMAR_LIMIT)
+            return self.final_event(FinishReason.ERROR, now, error=c.failure, code=GRAMMAR_FAILED)
         if self.first_token_at is None:
             self.first_token_at = now
         index = len(self.generated)

@@ -102,7 +102,9 @@ class Usage:
     total_time_s: float
 
 
-GRAMMAR_LIMIT = "grammar_limit"  # TokenEvent.error_code of a request whose grammar passed a bound
+# TokenEvent.error_code of a request whose grammar could not be followed (a bound passed, or a text
+# this vocabulary cannot go on with): the request's own fault.
+GRAMMAR_FAILED = "grammar_failed"
 
 
 @dataclass(frozen=True)
@@ -123,8 +125,8 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None  # set with finish_reason ERROR: what went wrong
-    # With ERROR, when the request itself is at fault: "grammar_limit" (its grammar passed a bound
-    # while generating, engine/grammar_limits.py); a server answers it as the client's error.
+    # With ERROR, when the request itself is at fault: GRAMMAR_FAILED (its grammar failed while
+    # generating, engine/grammar_limits.py); a server answers it as the client's error.
     error_code: str | None = None
     prompt: Prompt | None = None  # on a request's first event when SamplingParams.echo asked for it
 

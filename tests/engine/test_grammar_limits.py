@@ -16,7 +16,7 @@ import pytest
 from nanoserve.engine import grammar_limits
 from nanoserve.engine.grammar import Constraint, Grammars
 from nanoserve.engine.grammar_pool import GrammarPool
-from nanoserve.engine.types import GRAMMAR_LIMIT, FinishReason, GrammarSpec, InvalidRequest, Overloaded
+from nanoserve.engine.types import GRAMMAR_FAILED, FinishReason, GrammarSpec, InvalidRequest, Overloaded
 from tests.engine.conftest import EngineFactory, collect
 
 BOMB = GrammarSpec("regex", "(x{1000}){1000}")  # 15 characters, a million-state lexer
@@ -57,7 +57,7 @@ async def test_a_limit_hit_while_generating_ends_the_request_by_name(make_engine
     events = await collect(engine, "Hello", grammar=LATE_BOMB, max_new_tokens=24, temperature=0.0)
     last = events[-1]
     assert last.finish_reason is FinishReason.ERROR, (text(events), last)
-    assert last.error_code == GRAMMAR_LIMIT
+    assert last.error_code == GRAMMAR_FAILED
     # The lexer's bound, or the time its states took first (a mask over max_mask_ms).
     assert re.search("initial_lexer_fuel|max_lexer_states|max_mask_ms", last.error or ""), last.error
     # What the grammar allowed before its limit, nothing drawn unmasked.
@@ -77,7 +77,7 @@ async def test_masks_past_their_time_budget_end_the_request(make_engine: EngineF
         collect(engine, "Hello", grammar=GrammarSpec("regex", "[a-z]{20}"), max_new_tokens=20),
         collect(engine, "Hello", max_new_tokens=6, temperature=0.0, stop_on_eos=False))
     last = constrained[-1]
-    assert last.finish_reason is FinishReason.ERROR and last.error_code == GRAMMAR_LIMIT
+    assert last.finish_reason is FinishReason.ERROR and last.error_code == GRAMMAR_FAILED
     assert "mask_budget" in (last.error or "")
     assert re.fullmatch("[a-z]*", text(constrained))  # no token drawn without its mask was kept
     assert [e.token_id for e in plain] == [e.token_id for e in free]  # its batch-mate unharmed

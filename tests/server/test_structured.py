@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import openai
 import pytest
 
 from tests.conftest import make_tiny_bpe_checkpoint
+from tests.error_shapes import error_kind, error_message
 from tests.server.server import REPO_ROOT, ServerProcess, running_server
 
 SCHEMA = {
@@ -178,12 +180,81 @@ def test_unwritable_grammar_refused_on_char_model(names_server: ServerProcess) -
     r = httpx.post(base + "/generate", timeout=30, json={
         "inputs": "ann", "parameters": {"grammar": {"type": "regex", "value": DATE}}})
     assert r.status_code == 422, r.text
+    # A schema its letters cannot write is refused on every route that takes one, never a 200 whose
+    # text breaks it (finish "stop" on a bare "n").
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": SMALL}}
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                 "response_format": fmt}),
+                       ("/v1/completions", {"prompt": "ann", "response_format": fmt}),
+                       ("/v1/responses", {"input": "hi", "text": {"format": {
+                           "type": "json_schema", "name": "p", "schema": SMALL}}})):
+        r = httpx.post(base + path, timeout=30, json=body)
+        assert r.status_code == 400, (path, r.text)
+        assert "cannot express" in r.json()["error"]["message"], (path, r.text)
     # A grammar the letters can write is served.
     r = httpx.post(base + "/generate", timeout=30, json={
         "inputs": "ann",
         "parameters": {"max_new_tokens": 20, "grammar": {"type": "regex", "value": "[a-e]{3}x"}}})
     assert r.status_code == 200, r.text
     assert re.fullmatch("[a-e]{3}x", r.json()["generated_text"]), r.json()
+
+
+# Past llguidance's lexer fuel: a million-state regex, a JSON string's 100,000-character pattern.
+BOMB = "(x{1000}){1000}"
+LONG_PATTERN = {"type": "string", "pattern": "^x{100000}$"}
+# A bound passed 10 characters in, past the compile's probe: found while generating.
+LATE = {"type": "object", "properties": {"a": {"type": "boolean"},
+                                         "b": {"type": "string", "pattern": "^(x{1000}){1000}$"}},
+        "required": ["a", "b"], "additionalProperties": False}
+LIMITS = "initial_lexer_fuel|max_lexer_states|max_mask_ms"
+
+
+def test_grammar_bombs_are_refused_in_each_dialect_naming_the_limit(server: ServerProcess) -> None:
+    base = server.base_url
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": LONG_PATTERN}}
+    regex, pattern = {"type": "regex", "value": BOMB}, {"type": "json", "value": LONG_PATTERN}
+    chat = [{"role": "user", "content": "hi"}]
+    cases = [
+        ("/generate", {"inputs": "x", "parameters": {"grammar": regex}}, 422),
+        ("/generate", {"inputs": "x", "parameters": {"best_of": 4, "do_sample": True,
+                                                     "grammar": pattern}}, 422),
+        ("/v1/completions", {"prompt": "x", "n": 4, "response_format": regex}, 400),
+        ("/v1/chat/completions", {"messages": chat, "response_format": fmt}, 400),
+        ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "p",
+                                                              "schema": LONG_PATTERN}}}, 400),
+    ]
+    for path, body, status in cases:
+        t0 = time.perf_counter()
+        r = httpx.post(base + path, timeout=30, json=body)
+        assert r.status_code == status, (path, r.text)
+        assert re.search("initial_lexer_fuel", error_message(r)), (path, r.text)
+        assert time.perf_counter() - t0 < 5, path  # refused within the compile's bounds
+        if path != "/generate":
+            assert r.json()["error"]["param"] in ("response_format", "text.format"), r.text
+
+
+def test_a_grammar_failing_while_generating_is_an_error_never_a_stop(char_server: ServerProcess) -> None:
+    base = char_server.base_url
+    grammar = {"type": "json", "value": LATE}
+    r = httpx.post(base + "/generate", timeout=60, json={
+        "inputs": "x", "parameters": {"max_new_tokens": 40, "grammar": grammar}})
+    assert r.status_code == 422 and error_kind(r) == "validation", r.text  # TGI's dialect
+    assert re.search(LIMITS, error_message(r)), r.text
+    r = httpx.post(base + "/v1/completions", timeout=60, json={
+        "prompt": "x", "max_tokens": 40, "response_format": grammar})
+    assert r.status_code == 400 and error_kind(r) == "grammar_failed", r.text  # OpenAI's dialect
+    # Streamed: the tokens the grammar allowed, then the error event in the route's dialect.
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "late", "schema": LATE}}}
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = [line for line in resp.iter_lines() if line.startswith("data:")]
+    payloads = [json.loads(line[5:]) for line in lines if line != "data: [DONE]"]
+    assert "grammar_failed" in lines[-1] or "grammar_failed" in lines[-2], lines[-2:]
+    reasons = [c.get("finish_reason") for p in payloads for c in p.get("choices", ())]
+    assert "stop" not in reasons and "length" not in reasons, reasons
+    text = "".join(c["delta"].get("content") or "" for p in payloads for c in p.get("choices", ()))
+    assert any(done.startswith(text) for done in ('{"a": true, "b": "', '{"a": false, "b": "')), text
 
 
 def test_char_vocabulary_writes_json(char_server: ServerProcess) -> None:

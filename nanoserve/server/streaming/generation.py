@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 from starlette.requests import Request
 
-from nanoserve.engine.types import GRAMMAR_LIMIT, FinishReason, InvalidRequest, SamplingParams, TokenEvent
+from nanoserve.engine.types import GRAMMAR_FAILED, FinishReason, InvalidRequest, SamplingParams, TokenEvent
 from nanoserve.server.http.access_log import record_of
 from nanoserve.server.http.errors import APIError
 from nanoserve.server.settings import Settings
@@ -248,9 +248,9 @@ async def collect_all(request: Request, gens: Sequence[Generation]) -> list[Comp
 def _check_finished(out: Completed) -> None:
     if not out.events or out.final.finish_reason is None:
         raise APIError(500, "the generation ended without a finish reason", code="incomplete_generation")
-    if out.final.finish_reason is FinishReason.ERROR and out.final.error_code == GRAMMAR_LIMIT:
-        # The request's own grammar passed a bound while generating: the client's error.
-        raise APIError(422, f"generation failed: {out.final.error}", code=GRAMMAR_LIMIT)
+    if out.final.finish_reason is FinishReason.ERROR and out.final.error_code == GRAMMAR_FAILED:
+        # The request's own grammar failed while generating (a bound, or its vocabulary): its error.
+        raise APIError(422, f"generation failed: {out.final.error}", code=GRAMMAR_FAILED)
     if out.final.finish_reason is FinishReason.ERROR:
         reason = out.final.error or "engine error"
         raise APIError(500, f"generation failed: {reason}", code="generation_error")

@@ -263,7 +263,9 @@ async def _encode(
     try:
         async for event in events:
             if event.finish_reason is FinishReason.ERROR:
-                out.append(error_event(event.error or "generation failed", "generation_error"))
+                # The engine's code where the request was at fault (its grammar failed).
+                code = event.error_code or "generation_error"
+                out.append(error_event(event.error or "generation failed", code))
                 yield b"".join(out)
                 return
             out.extend(render(event))
