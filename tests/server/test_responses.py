@@ -195,10 +195,10 @@ def test_item_references_name_stored_replies_as_the_ai_sdk_sends_them(client: op
 
 
 BAD: list[tuple[dict[str, Any], str, str]] = [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", "tool calling"),
-    ({"tool_choice": "required"}, "tool_choice", "tool calling"),
-    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}, "input",
-     "input[0].type 'function_call'"),
+    ({"tools": [{"type": "web_search"}]}, "tools", "only function tools"),
+    ({"tool_choice": "required"}, "tool_choice", "empty or absent"),
+    ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": "x"}]}, "input",
+     "input[0].type 'custom_tool_call'"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
      "input[0].content[0].type 'input_image'"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input", "input[0].role"),

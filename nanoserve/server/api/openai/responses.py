@@ -17,17 +17,22 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from nanoserve.engine.types import SamplingParams
-from nanoserve.model.chat_template import ChatTemplateError, render_chat, template_stop_sequences
+from nanoserve.model.chat_template import ChatTemplateError, is_jinja, render_chat, template_stop_sequences
 from nanoserve.server.api.common import ErrorResponse
+from nanoserve.server.api.openai.messages import data_template_message
 from nanoserve.server.api.openai.responses_format import Draft, ResponseEvents
 from nanoserve.server.api.openai.responses_schemas import (
     DeletedResponse,
+    FunctionCallItem,
+    OutputMessage,
     ResponseObject,
     ResponsesRequest,
     item_message,
 )
 from nanoserve.server.api.openai.responses_store import ResponseStore
+from nanoserve.server.api.openai.responses_tools import merged_calls, reply_message
 from nanoserve.server.api.openai.routes import DROPPED_HEADER, _fit_window, _served_model
+from nanoserve.server.api.openai.tools import ToolUse
 from nanoserve.server.deps import EngineDep, SettingsDep
 from nanoserve.server.http.errors import APIError
 from nanoserve.server.settings import Settings
@@ -88,26 +93,34 @@ def _resolved(request: Request, messages: list[dict[str, Any]]) -> list[dict[str
     return [m for m in out if m is not None]
 
 
-def _sampling_params(body: ResponsesRequest, settings: Settings, stop: list[str]) -> SamplingParams:
+def _sampling_params(body: ResponsesRequest, settings: Settings, stop: list[str],
+                     tool_use: ToolUse | None) -> SamplingParams:
     limit = body.max_output_tokens or settings.default_max_new_tokens
     check_limits(settings, max_new_tokens=("max_output_tokens", limit))
     top_p = body.top_p if body.top_p is not None and body.top_p < 1.0 else None
     temperature = 1.0 if body.temperature is None else body.temperature
+    grammar, param = body.grammar(), "text.format"
+    if tool_use is not None and (forced := tool_use.grammar()) is not None:
+        grammar, param = forced, "tools"  # a forced call, as on the chat route
     return SamplingParams(max_new_tokens=limit, temperature=temperature, top_p=top_p, stop=tuple(stop),
-                          grammar=body.grammar(), grammar_param="text.format")
+                          grammar=grammar, grammar_param=param)
 
 
 async def _prompt(request: Request, engine: Any, settings: Settings, body: ResponsesRequest,
-                  messages: list[dict[str, Any]], params: SamplingParams) -> tuple[str | list[int], int]:
+                  messages: list[dict[str, Any]], params: SamplingParams,
+                  tools: list[dict[str, Any]] | None) -> tuple[str | list[int], int]:
     """The prompt (its ids when used as rendered) and how many old turns were dropped to fit it."""
     template = engine.checkpoint.chat_template
+    if not is_jinja(template):  # one text per turn: tool calls and results written into turns
+        messages = [data_template_message(m, template["roles"]) for m in messages]
     try:
-        prompt = render_chat(template, messages)
+        prompt = render_chat(template, messages, tools=tools)
     except ChatTemplateError as e:
         raise APIError(422, str(e), code="invalid_message", param="input") from None
     engine.check_admission(client_id(request))  # before the conversation's encodings
     if body.truncation == "auto":
-        return await _fit_window(request, engine, settings, template, messages, prompt, params.max_new_tokens)
+        return await _fit_window(request, engine, settings, template, messages, prompt, params.max_new_tokens,
+                                 tools)
     ids = await encode(engine, request.app.state.encode_queue, prompt, settings.max_prompt_tokens, "input")
     if len(ids) >= engine.window:  # OpenAI's `truncation: "disabled"`: a 400, never a silent crop
         raise APIError(422, f"the input is {len(ids)} tokens and this model's window {engine.window}; "
@@ -121,27 +134,38 @@ async def create_response(body: ResponsesRequest, request: Request, response: Re
                           settings: SettingsDep) -> Response | ResponseObject:
     """A model response to text or message items (OpenAI's Responses API), through the chat template."""
     owner = _owner(request)
-    conversation = [*_history(request, body.previous_response_id), *_resolved(request, body.input_messages())]
+    conversation = merged_calls([*_history(request, body.previous_response_id),
+                                 *_resolved(request, body.input_messages())])
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    params = _sampling_params(body, settings, template_stop_sequences(engine.checkpoint.chat_template))
-    prompt, dropped = await _prompt(request, engine, settings, body, [*system, *conversation], params)
+    template = engine.checkpoint.chat_template
+    tool_use = body.tool_use()
+    reader = tool_use.reader(template) if tool_use is not None else None
+    params = _sampling_params(body, settings, template_stop_sequences(template), tool_use)
+    prompt, dropped = await _prompt(request, engine, settings, body, [*system, *conversation], params,
+                                    tool_use.shown_to(template) if tool_use is not None else None)
     headers = {DROPPED_HEADER: str(dropped)} if dropped else {}
     gen = await start_generation(request, engine, prompt, params, param="input")
     draft = Draft(model=_served_model(engine), request=body)
 
     def keep(final: ResponseObject) -> None:
         if body.stored():
-            reply = {"role": "assistant", "content": final.output[0].content[0].text}
-            _store(request).put(owner, final.model_dump(), [*conversation, reply])
+            _store(request).put(owner, final.model_dump(), [*conversation, reply_of(final)])
 
     if body.stream:
-        render = ResponseEvents(draft, keep)
+        render = ResponseEvents(draft, keep, reader)
         return sse_response(gen, render, settings, headers=headers, error_event=render.error_event)
     response.headers.update(headers)
     done = await collect(request, gen)
-    final = draft.finished(done.text, done.final)
+    final = draft.finished(done.text, done.final, reader)
     keep(final)
     return final
+
+
+def reply_of(final: ResponseObject) -> dict[str, Any]:
+    """A finished response as the conversation's assistant turn."""
+    text = next((item.content[0].text for item in final.output
+                 if isinstance(item, OutputMessage) and item.content), None)
+    return reply_message(text, [item for item in final.output if isinstance(item, FunctionCallItem)])
 
 
 @router.get("/responses/{response_id}", response_model=ResponseObject, responses=_NOT_FOUND)

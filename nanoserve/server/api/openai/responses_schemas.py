@@ -4,7 +4,7 @@ sends and reads them (openai/types/responses/).
 Every field of OpenAI's request is declared, in one of three kinds (docs/api.md lists them):
 honoured; accepted and ignored, where it is only a hint that changes nothing this server
 answers (`reasoning`, `text.verbosity`, the prompt-cache fields, ...); refused with 400 naming it,
-where ignoring it would change the answer (function tools, images, background mode, ...).
+where ignoring it would change the answer (tools other than functions, images, background mode, ...).
 Anything else is an unknown field: a 400 naming it, as on the other routes. Input items are
 checked by hand rather than by a pydantic union, so a mistake names the item
 (`input[2].content[0].type`) instead of listing every member of the union.
@@ -20,12 +20,20 @@ from pydantic_core import PydanticCustomError
 
 from nanoserve.engine.types import GrammarSpec
 from nanoserve.server.api.common import MAX_COUNT, STRICT
+from nanoserve.server.api.openai.responses_tools import (
+    FunctionCallItem,
+    ItemStatus,
+    chat_tool_choice,
+    chat_tools,
+    tool_item_message,
+)
+from nanoserve.server.api.openai.tools import ToolUse
 from nanoserve.server.api.structured import openai_grammar
 
 ROLES = ("user", "assistant", "system", "developer")
-# Item types that call or answer a tool: refused until tool calling exists.
+# Item types that call or answer a tool other than a function: refused.
 TOOL_ITEMS = frozenset({
-    "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
+    "custom_tool_call", "custom_tool_call_output",
     "file_search_call", "web_search_call", "computer_call", "computer_call_output", "code_interpreter_call",
     "image_generation_call", "local_shell_call", "local_shell_call_output", "shell_call", "shell_call_output",
     "apply_patch_call", "apply_patch_call_output", "mcp_call", "mcp_list_tools", "mcp_approval_request",
@@ -37,7 +45,7 @@ _PART_KEYS = {"input_text": {"type", "text", "prompt_cache_breakpoint"},
               "output_text": {"type", "text", "annotations", "logprobs"},
               "refusal": {"type", "refusal"}}
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-NO_TOOLS = "tool calling is not implemented yet"
+NO_TOOLS = "only function tools are"
 
 
 def _bad(message: str) -> PydanticCustomError:
@@ -76,6 +84,8 @@ def item_message(i: int, item: Any) -> dict[str, Any] | None:
     kind = item.get("type", "message")
     if kind in TOOL_ITEMS:
         raise _unsupported(f"{where}.type {kind!r}", NO_TOOLS)
+    if kind in ("function_call", "function_call_output"):
+        return tool_item_message(where, item)
     if kind == "reasoning":
         return None
     if kind == "item_reference":
@@ -174,10 +184,13 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = Field(None, max_length=16, description="Kept with the response.")
     user: str | None = Field(None, max_length=256, description="Echoed; not used.")
     safety_identifier: str | None = Field(None, max_length=256, description="Echoed; not used.")
-    tools: list[Any] | None = Field(None, description="Empty or null only: " + NO_TOOLS + ".")
-    tool_choice: str | dict[str, Any] | None = Field(None, description='"none", "auto" or null only.')
-    parallel_tool_calls: bool | None = Field(None, description="Echoed (no tools).")
-    max_tool_calls: int | None = Field(None, ge=1, description="Accepted and ignored (no tools).")
+    tools: list[Any] | None = Field(None, description="Function tools, {\"type\": \"function\", "
+                                    "\"name\", \"parameters\", ...}, as on the chat route.")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description='"none", "auto", "required" or {"type": "function", "name": ...}.')
+    parallel_tool_calls: bool | None = Field(None, description='With "required": several calls (default).')
+    max_tool_calls: int | None = Field(None, ge=1, description="Accepted and ignored (a reply's calls "
+                                       "are bounded by the forced grammar's 8).")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="0 or null only.")
     include: list[str] | None = Field(None, description="Accepted and ignored, but for "
                                       "message.output_text.logprobs (not supported).")
@@ -207,17 +220,16 @@ class ResponsesRequest(BaseModel):
 
     @field_validator("tools")
     @classmethod
-    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            kind = v[0].get("type") if isinstance(v[0], dict) else None
-            raise _unsupported(f"tools[0] (type {kind!r})", NO_TOOLS)
+    def _function_tools(cls, v: list[Any] | None) -> list[Any] | None:
+        chat_tools(v or [])
         return v
 
     @field_validator("tool_choice")
     @classmethod
-    def _no_tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if v is not None and v not in ("none", "auto"):
-            raise _unsupported("tool_choice", NO_TOOLS + '; send "none", "auto" or leave it out')
+    def _tool_choice(cls, v: str | dict[str, Any] | None,
+                     info: ValidationInfo) -> str | dict[str, Any] | None:
+        if "tools" in info.data:  # else `tools` has its own error
+            chat_tool_choice(v, chat_tools(info.data["tools"] or []))
         return v
 
     @field_validator("top_logprobs")
@@ -270,6 +282,11 @@ class ResponsesRequest(BaseModel):
     def stored(self) -> bool:
         return self.store is not False  # OpenAI's default: stored
 
+    def tool_use(self) -> ToolUse | None:
+        """What the tools make of the reply, as on the chat route (None: plain text)."""
+        tools = chat_tools(self.tools or [])
+        return ToolUse.of(tools, chat_tool_choice(self.tool_choice, tools), self.parallel_tool_calls)
+
 
 # ---------------------------------------------------------------- the response object
 
@@ -279,9 +296,6 @@ class OutputText(BaseModel):
     text: str
     annotations: list[Any] = Field(default_factory=list)
     logprobs: list[Any] = Field(default_factory=list)
-
-
-ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
 class OutputMessage(BaseModel):
@@ -321,7 +335,7 @@ class ResponseObject(BaseModel):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[OutputMessage]
+    output: list[OutputMessage | FunctionCallItem]
     parallel_tool_calls: bool
     previous_response_id: str | None
     reasoning: dict[str, Any] = Field(default_factory=lambda: {"effort": None, "summary": None})
@@ -329,7 +343,7 @@ class ResponseObject(BaseModel):
     store: bool
     temperature: float
     text: dict[str, Any]
-    tool_choice: str
+    tool_choice: str | dict[str, Any]
     tools: list[Any] = Field(default_factory=list)
     top_p: float
     truncation: str

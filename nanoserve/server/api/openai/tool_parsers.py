@@ -105,13 +105,14 @@ class HermesCalls(CallFormat):
         return Parsed(text[:start].strip() or None, calls)
 
     def releasable(self, text: str) -> int:
-        start = text.find(self.OPEN)
-        if start >= 0:
-            return start
-        for keep in range(min(len(self.OPEN) - 1, len(text)), 0, -1):  # a marker may be arriving
-            if self.OPEN.startswith(text[-keep:]):
-                return len(text) - keep
-        return len(text)
+        upto = text.find(self.OPEN)
+        if upto < 0:
+            upto = len(text)
+            for keep in range(min(len(self.OPEN) - 1, len(text)), 0, -1):  # a marker may be arriving
+                if self.OPEN.startswith(text[-keep:]):
+                    upto = len(text) - keep
+                    break
+        return upto if text[:upto].strip() else 0  # leading whitespace waits: calls may follow
 
 
 class Llama3Calls(CallFormat):
