@@ -100,6 +100,32 @@ def test_a_named_function_is_the_one_called(client: openai.OpenAI) -> None:
         assert set(check_call(calls[0])) == {"city", "days"}
 
 
+class Place(BaseModel):
+    city: str = Field(max_length=12)
+
+
+class Trip(BaseModel):
+    start: Place
+    stops: list[Place] = Field(max_length=2)
+
+
+def test_schemas_with_their_own_defs_constrain_each_call(client: openai.OpenAI) -> None:
+    """pydantic writes nested models as `$defs` and `#/$defs/...` references (LangChain sends them
+    so); two tools with a `Place` each keep theirs apart inside the one grammar."""
+    trip = Trip.model_json_schema()
+    tools: Any = [{"type": "function", "function": {"name": name, "parameters": trip}}
+                  for name in ("plan_trip", "book_trip")]
+    for seed in range(3):
+        r = client.chat.completions.create(model="m", messages=ASK, tools=tools, tool_choice="required",
+                                           max_tokens=900, seed=seed)
+        calls: Any = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and calls
+        for call in calls:
+            assert call.function.name in ("plan_trip", "book_trip")
+            Trip.model_validate_json(call.function.arguments)
+            jsonschema.validate(json.loads(call.function.arguments), trip)
+
+
 def test_streamed_calls_are_reassembled_by_the_sdk_stream_helper(client: openai.OpenAI) -> None:
     with client.chat.completions.stream(model="m", messages=ASK, tools=[WEATHER],
                                         tool_choice="required", max_tokens=700, seed=4) as stream:

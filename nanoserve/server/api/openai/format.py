@@ -307,7 +307,8 @@ class ChatChunks(_Chunks):
         text = event.text if self.calls is None else self.calls.feed(event.text)
         entry = chat_logprob(self.reply, event) if self.logprobs else None
         if entry is not None:
-            yield self._envelope([ChatChunkChoice(index=self.index, delta=ChatDelta(content=text),
+            held = text or None if self.calls is not None else text  # no "" content for a held call
+            yield self._envelope([ChatChunkChoice(index=self.index, delta=ChatDelta(content=held),
                                                   logprobs=ChatLogprobs(content=[entry]))])
         elif text:
             yield self.content_chunk(text)

@@ -109,6 +109,31 @@ def duplicate_name(tools: list[ToolDefinition]) -> str | None:
     return None
 
 
+def _hoisted(schema: dict[str, Any], owner: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """`schema` without its own `$defs` (or `definitions`), which go into `defs` under
+    "<owner>.<name>", its references rewritten to match: nested in the call's grammar, a
+    reference such as "#/$defs/Address" (pydantic writes them) resolves from the grammar's root."""
+    local = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    if not local:
+        return schema
+
+    def moved(node: Any) -> Any:
+        if isinstance(node, list):
+            return [moved(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: moved(v) for k, v in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
+            out["$ref"] = f"#/$defs/{owner}.{ref.split('/', 2)[2]}"
+        return out
+
+    for name, sub in local.items():
+        defs[f"{owner}.{name}"] = moved(sub)
+    hoisted: dict[str, Any] = moved({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
+    return hoisted
+
+
 @dataclass(frozen=True)
 class ToolUse:
     """What a request's tools make of its reply."""
@@ -143,13 +168,15 @@ class ToolUse:
         if self.mode == "auto":
             return None
         chosen = [t for t in self.tools if self.forced in (None, t.function.name)]
-        calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                    "arguments": t.function.arguments_schema()},
-                  "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
+        defs: dict[str, Any] = {}
+        calls = [{"type": "object", "properties": {
+            "name": {"const": t.function.name},
+            "arguments": _hoisted(t.function.arguments_schema(), t.function.name, defs)},
+            "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
         call: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
         if self.parallel:
             call = {"type": "array", "items": call, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
-        return GrammarSpec("json_schema", json.dumps(call))
+        return GrammarSpec("json_schema", json.dumps({**call, "$defs": defs} if defs else call))
 
     def reader(self, template: dict[str, Any]) -> CallReader | None:
         """How the reply's calls are read: the grammar's JSON when forced; for "auto", the format
