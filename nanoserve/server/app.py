@@ -53,7 +53,7 @@ from nanoserve.server.http.errors import install_error_handlers
 from nanoserve.server.http.head import HeadAsGet
 from nanoserve.server.http.request_guard import BodyLimitMiddleware, DrainGate, HeaderLimitMiddleware
 from nanoserve.server.metrics import Metrics
-from nanoserve.server.metrics.models import ModelSample, ModelsCollector, reload_counter
+from nanoserve.server.metrics.models import ModelSample
 from nanoserve.server.models.headers import ModelHeaders
 from nanoserve.server.models.loading import load_served
 from nanoserve.server.models.registry import ModelRegistry, ServedModel, model_specs
@@ -158,7 +158,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         _serve_default(app, default)
         reloader = Reloader(
             registry, config, metrics.observer, chat_template=settings.chat_template,
-            drain_timeout=settings.drain_timeout, counter=app.state.reload_counter,
+            drain_timeout=settings.drain_timeout, counter=metrics.reloads,
             on_swap=lambda served: _serve_default(app, served),
         )
         app.state.reloader = reloader
@@ -235,9 +235,8 @@ def create_app(
     app.state.api_keys = settings.api_key_values()
     app.state.lifecycle = Lifecycle()
     app.state.metrics = Metrics()
-    app.state.metrics.registry.register(ModelsCollector(lambda: [
-        ModelSample(m.name, m.version.label(), m.engine) for m in registry]))
-    app.state.reload_counter = reload_counter(app.state.metrics.registry)
+    app.state.metrics.bind_models(
+        lambda: [ModelSample(m.name, m.version.label(), m.engine) for m in registry])
     app.state.encode_queue = EncodeQueue(settings.max_pending_encode_chars)
     app.state.responses_store = ResponseStore(settings.responses_store, settings.responses_store_mb << 20)
     install_error_handlers(app)

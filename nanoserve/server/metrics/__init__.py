@@ -14,7 +14,7 @@ The metric list with one line each is in docs/operations.md.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from prometheus_client import (
@@ -31,6 +31,7 @@ from nanoserve.engine.types import EngineObserver, TokenEvent
 from nanoserve.server.metrics.engine_collector import EngineCollector, EngineMetricsObserver, StatsSource
 from nanoserve.server.metrics.http import HTTPMetricsMiddleware, arrival_time
 from nanoserve.server.metrics.instruments import LATENCY_BUCKETS, Instruments
+from nanoserve.server.metrics.models import ModelSample, ModelsCollector, reload_counter
 from nanoserve.server.metrics.stream import StreamRecord, TrackableStream, track_stream
 
 __all__ = ["LATENCY_BUCKETS", "Metrics", "arrival_time"]
@@ -57,6 +58,9 @@ class Metrics:
         self.instruments = Instruments(registry)
         self.observer: EngineObserver = EngineMetricsObserver(self.instruments)
         self._engine_collector: EngineCollector | None = None
+        self._models: Callable[[], list[ModelSample]] = list
+        registry.register(ModelsCollector(lambda: self._models()))
+        self.reloads = reload_counter(registry)
 
     def bind_engine(self, engine: StatsSource) -> None:
         """Expose the engine's scheduler state and model info, read at each scrape."""
@@ -65,6 +69,10 @@ class Metrics:
         config = getattr(engine, "config", None)
         self._engine_collector = EngineCollector(engine, getattr(config, "max_queue", None))
         self.registry.register(self._engine_collector)
+
+    def bind_models(self, models: Callable[[], list[ModelSample]]) -> None:
+        """Expose each served model's gauges and version (`models` is read at each scrape)."""
+        self._models = models
 
     def install(self, app: Any) -> None:
         """Add the HTTP middleware to a Starlette/FastAPI app (before it starts)."""

@@ -57,7 +57,7 @@ class ModelsCollector(Collector):
             values = (ready, stats.running, stats.waiting, stats.slots_used, stats.slots_total)
             for (name, _), value in zip(_GAUGES, values, strict=True):
                 by_name[name].add_metric([m.name], float(value))
-        return iter(f for f in families if f.samples)
+        return iter(families)
 
     @staticmethod
     def _families() -> list[GaugeMetricFamily]:
