@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from nanoserve.engine.grammar_limits import MASK_WAIT_S
 from nanoserve.engine.request import Request
 from nanoserve.engine.runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler, StepResult
@@ -43,28 +44,36 @@ class EngineCore:
         if not plan.items:
             return StepOutput()
         # Grammar masks of the rows this step samples, computed beside the forward.
-        masks = self.runner.grammar_mask
-        masks.start([item.req.constraint for item in plan.items
-                     if item.completes and item.req.constraint is not None and samples_tokens(item.req)])
-        try:
-            return self._execute_items(plan)
-        finally:
-            masks.wait()  # no mask job outlives the step: the update goes on to advance the matchers
-
-    def _execute_items(self, plan: StepPlan) -> StepOutput:
+        self.runner.grammar_mask.start([item.req.constraint for item in plan.items if item.completes
+                                        and item.req.constraint is not None and samples_tokens(item.req)])
+        t0 = time.perf_counter()
         forward = self.runner.forward(plan.items)
         out = StepOutput(forward_done=time.perf_counter(), errors=forward.errors, rows=forward.rows)
         if forward.logits is None:
             return out
         reqs = [plan.items[i].req for i in forward.rows]
         logits = forward.logits
-        keep = [j for j, req in enumerate(reqs) if samples_tokens(req)]
-        if len(keep) < len(reqs):  # requests that only score their prompt draw nothing
+        deferred = self._late_masks(plan, forward.rows, out.forward_done + (out.forward_done - t0))
+        out.deferred = {forward.rows[j] for j in deferred}
+        keep = [j for j, req in enumerate(reqs) if samples_tokens(req) and j not in deferred]
+        if len(keep) < len(reqs):  # requests that only score their prompt (or wait for a mask) draw nothing
             if not keep:
                 return out
             reqs, logits = [reqs[j] for j in keep], logits[keep]
         self._sample_isolated(reqs, logits, out.samples)
         return out
+
+    def _late_masks(self, plan: StepPlan, rows: list[int], deadline: float) -> set[int]:
+        """Positions in `rows` of decode rows whose grammar mask is still being computed at
+        `deadline` (the forward's time after its end) plus MASK_WAIT_S: they wait for the next step
+        (Scheduler.update_from_output feeds their token again) rather than delay the batch."""
+        found = [(j, c) for j, i in enumerate(rows)
+                 if (c := plan.items[i].req.constraint) is not None and samples_tokens(plan.items[i].req)]
+        if not found:
+            return set()
+        late = self.runner.grammar_mask.late([c for _, c in found], deadline + MASK_WAIT_S)
+        return {j for (j, _), slow in zip(found, late, strict=True)
+                if slow and len(plan.items[rows[j]].tokens) == 1}
 
     def _sample_isolated(self, reqs: list[Request], logits: torch.Tensor,
                          samples: list[SampleResult | RowError]) -> None:

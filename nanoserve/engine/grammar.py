@@ -20,6 +20,7 @@ import json
 import logging
 import threading
 import time
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -59,6 +60,7 @@ class Constraint:
     masks: int = 0
     words: np.ndarray | None = None  # the mask computed for `masked_at` tokens (GrammarMask.start)
     masked_at: int = -1
+    job: Future[np.ndarray] | None = None  # its mask being computed beside a forward
 
     def copy(self) -> Constraint:
         """A matcher for another choice of the same request: the compiled grammar is shared."""
@@ -231,46 +233,50 @@ def _disallowed(words: np.ndarray, n_vocab: int) -> np.ndarray:
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 
-def _compute_masks(constraints: list[Constraint], width: int) -> None:
-    for c in constraints:
-        c.compute_mask(width)
-
-
 class GrammarMask:
     """Masks the constrained rows of a step's logits; unconstrained rows cost nothing.
 
     `start` computes the masks of the rows a step will sample on a thread of its own while the
-    forward runs (llguidance drops the GIL, as the forward's kernels do), so a step pays for its
-    masks only where they take longer than its forward; `apply` then waits for them and fills the
-    logits. Each row's mask is timed against its request's budget (grammar_limits.py)."""
+    forward runs (llguidance drops the GIL, as the forward's kernels do). After the forward,
+    `late` waits for them until a deadline (the forward's own time again, and MASK_WAIT_S): a row
+    whose mask is not ready by then is not sampled this step (the engine feeds its last token
+    again next step, when its mask is ready), so a costly grammar delays its own request and never
+    its batch. Each mask is timed against its request's budget (grammar_limits.py)."""
 
     def __init__(self) -> None:
         self._thread: ThreadPoolExecutor | None = None
-        self._job: Future[None] | None = None
 
     def start(self, constraints: list[Constraint]) -> None:
         """Begin the masks of `constraints` (their current states) beside the step's forward."""
-        self.wait()
-        todo = [c for c in constraints if c.failure is None and c.masked_at != c.consumed]
-        if not todo:
-            return
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")
-        width = (todo[0].n_vocab + 31) // 32
-        self._job = self._thread.submit(_compute_masks, todo, width)
+        for c in constraints:
+            if c.failure is None and c.job is None and c.masked_at != c.consumed:
+                if self._thread is None:
+                    self._thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")
+                c.job = self._thread.submit(c.compute_mask, (c.n_vocab + 31) // 32)
 
-    def wait(self) -> None:
-        """Until the masks `start` began are done (the engine thread calls this before it touches
-        their matchers again)."""
-        job, self._job = self._job, None
-        if job is not None and job.exception() is not None:  # the rows compute theirs again in apply
-            log.error("grammar masks failed beside the forward: %r", job.exception())
+    @staticmethod
+    def late(constraints: list[Constraint], deadline: float | None) -> list[bool]:
+        """Wait for the masks `start` began until `deadline` (perf_counter; None: until done);
+        returns, for each constraint, whether its mask is still being computed. The engine thread
+        touches the matcher of a late one again only after its job is done."""
+        jobs = [c.job for c in constraints if c.job is not None]
+        if jobs:
+            timeout = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            futures.wait(jobs, timeout=timeout)
+        out = []
+        for c in constraints:
+            if c.job is not None and c.job.done():
+                if c.job.exception() is not None:  # computed again, on this thread, by apply
+                    log.error("a grammar mask failed beside the forward: %r", c.job.exception())
+                c.job = None
+            out.append(c.job is not None)
+        return out
 
     def apply(self, rows: list[tuple[int, Constraint]], logits: torch.Tensor) -> None:
         """rows: (row of logits, its constraint). Disallowed tokens become -inf in place. A row
         whose grammar failed (Constraint.failure) is left alone: its request ends with the error
         when its token comes back (Request.accept_token), and no token of it is kept."""
-        self.wait()
+        self.late([c for _, c in rows], None)
         width = (rows[0][1].n_vocab + 31) // 32
         live = []
         for j, c in rows:

@@ -240,7 +240,7 @@ class Scheduler:
                 self._end(req, result, req.final_event(FinishReason.ERROR, output.forward_done,
                                                        error=output.errors[i]))
                 continue
-            req.n_cached += n
+            req.n_cached += n - (i in output.deferred)  # a deferred row feeds its token again
             if n > 1 or req.prefill_done_at is None:
                 result.prefill_tokens += n
             if item.completes and req.prefill_done_at is None:

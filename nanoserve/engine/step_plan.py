@@ -69,6 +69,9 @@ class StepOutput:
     rows: list[int] = field(default_factory=list)  # items that completed their context, in order
     # The sampled rows (rows whose request samples), in order; a row that failed alone is a RowError.
     samples: list[SampleResult | RowError] = field(default_factory=list)
+    # Decode items not sampled because their grammar mask was not ready (engine/grammar.py): their
+    # token is fed again next step.
+    deferred: set[int] = field(default_factory=set)
 
 
 def samples_tokens(req: Request) -> bool:

@@ -145,3 +145,29 @@ async def test_the_pool_takes_clients_in_turn_and_drops_work_whose_caller_left()
     # b1 went before a's second and third: clients in turn; "gone" never ran.
     assert ran == ["a1", "a2", "b1", "a3"] or ran == ["a1", "b1", "a2", "a3"], ran
     assert "gone" not in ran and pool.pending() == 0
+
+
+async def test_a_slow_mask_defers_its_own_row_not_the_batch(make_engine: EngineFactory,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row whose mask is not ready by the end of the forward (and MASK_WAIT_S) is not sampled that
+    step and feeds its token again next step: its batch-mate's steps do not wait for it, and its
+    own text still follows the grammar token for token."""
+    engine = make_engine()
+    alone = await collect(engine, "Hello", max_new_tokens=12, temperature=0.0, stop_on_eos=False)
+    monkeypatch.setattr(grammar_limits, "MASK_BURST_S", 60.0)  # slow, but within its budget
+    slow_mask = Constraint.compute_mask
+
+    def slow(self: Constraint, width: int):  # type: ignore[no-untyped-def]
+        time.sleep(0.03)
+        return slow_mask(self, width)
+
+    monkeypatch.setattr(Constraint, "compute_mask", slow)
+    regex = GrammarSpec("regex", "[a-c]{10}")
+    constrained, plain = await asyncio.gather(
+        collect(engine, "Hello", grammar=regex, max_new_tokens=12, temperature=0.8, seed=1),
+        collect(engine, "Hello", max_new_tokens=12, temperature=0.0, stop_on_eos=False))
+    assert re.fullmatch("[a-c]{10}", text(constrained)), text(constrained)
+    assert constrained[-1].finish_reason is FinishReason.EOS_TOKEN
+    assert [e.token_id for e in plain] == [e.token_id for e in alone]
+    slow_s, plain_s = constrained[-1].usage.total_time_s, plain[-1].usage.total_time_s  # type: ignore[union-attr]
+    assert plain_s < slow_s / 2, (plain_s, slow_s)  # 10 masks of 30 ms did not hold the plain row
