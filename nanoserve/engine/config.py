@@ -155,11 +155,11 @@ class EngineConfig:
         False, "Reuse a cached prompt prefix across clients (API keys, addresses): a shared system "
         "prompt is prefilled once for all, but one client's time to first token then tells whether "
         "another sent a prompt. Off: only within a client, or a request's cache_salt.")
-    # CPU threads the engine thread may use (None: OMP_NUM_THREADS, else every CPU this process
-    # may run on). Other threads stay single-threaded (see threads.py).
+    # CPU threads the engine thread may use (None: OMP_NUM_THREADS, else what the affinity mask and
+    # the cgroup's CPU quota leave, see cpu_quota.py). Other threads stay single-threaded (threads.py).
     cpu_threads: int | None = setting(
-        None, "CPU threads for the model (default: OMP_NUM_THREADS, else every CPU the process may "
-        "use); the rest of the server stays on one.", ge=1)
+        None, "CPU threads for the model (default: OMP_NUM_THREADS, else the CPUs the affinity mask "
+        "and the cgroup's CPU quota leave the process); the rest of the server stays on one.", ge=1)
     compile: bool = setting(False, "torch.compile the decode step at warm-up.")
     # CPU: run linear layers through oneDNN with weights reordered once (see packed_linear.py),
     # where torch runs the forwards (the native step off or unavailable).

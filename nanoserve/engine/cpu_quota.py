@@ -30,7 +30,9 @@ class CpuBudget:
     detail: str  # what was read, for the log and /info
 
     def describe(self) -> str:
-        return f"{self.threads} CPU thread{'s' if self.threads != 1 else ''} ({self.source}: {self.detail})"
+        source = {"flag": "the flag", "affinity": "the affinity mask", "cgroup quota": "the cgroup CPU quota"}
+        threads = f"{self.threads} CPU thread{'s' if self.threads != 1 else ''}"
+        return f"{threads}, from {source.get(self.source, self.source)} ({self.detail})"
 
 
 def _cgroup_paths(root: Path) -> list[tuple[str, str]]:

@@ -87,7 +87,7 @@ def test_an_affinity_of_one_cpu_gives_one_thread(tmp_path: Path, cpus: pytest.Mo
     budget = cpu_budget(root=root)
     assert (budget.threads, budget.source) == (1, "affinity")
     assert budget.detail == "affinity 1 CPU, no cgroup CPU quota"
-    assert budget.describe() == "1 CPU thread (affinity: affinity 1 CPU, no cgroup CPU quota)"
+    assert budget.describe() == "1 CPU thread, from the affinity mask (affinity 1 CPU, no cgroup CPU quota)"
 
 
 def test_no_cgroup_files_is_no_quota(tmp_path: Path, cpus: pytest.MonkeyPatch) -> None:

@@ -35,5 +35,5 @@ def test_a_server_pinned_to_one_cpu_runs_one_thread_and_says_so(tiny_checkpoint)
     assert info["cpu_threads"] == 1
     assert info["cpu_threads_from"]["source"] in {"affinity", "cgroup quota"}
     assert "affinity 1 CPU" in info["cpu_threads_from"]["detail"]
-    assert "engine: 1 CPU thread (" in logs and "affinity 1 CPU" in logs
+    assert "engine: 1 CPU thread, from the affinity mask (affinity 1 CPU" in logs
     assert "weights float32" in logs  # the tiny checkpoint served as loaded
