@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import require_module, require_tool
 from tests.server.conftest import metric_value
 from tests.server.server import REPO_ROOT, ServerProcess, running_server, serve_command
 
@@ -107,3 +108,30 @@ def test_a_name_given_on_the_command_line_names_the_model() -> None:
     with running_server(f"bard={SHAKESPEARE}") as server:
         assert [m["id"] for m in httpx.get(server.base_url + "/v1/models").json()["data"]] == ["bard"]
         assert _greedy(server, "bard", "\n", 4)
+
+
+def test_the_chat_page_picks_a_model(both: ServerProcess) -> None:
+    from tests.server.test_chat_page import CHROMIUM_ARGS, wait_until
+
+    chromium = require_tool("chromium", "the chat page is tested in a real browser")
+    require_module("playwright")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        page = browser.new_page()
+        sent: list[Any] = []
+        page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/chat/completions")
+                else None)
+        page.goto(both.base_url + "/")
+        wait_until(lambda: "shakespeare-char" in page.inner_text("#model"), what="the default model")
+        picker = page.locator("#model-picker")
+        assert picker.is_visible()
+        assert [o.inner_text() for o in picker.locator("option").all()] == ["shakespeare-char", "baby-names"]
+        picker.select_option("baby-names")
+        wait_until(lambda: "baby-names · 16-token window" in page.inner_text("#model"), what="the pick")
+        page.fill("#prompt", "hi")
+        page.click("#send")
+        wait_until(lambda: sent, what="the chat request")
+        assert sent[0]["model"] == "baby-names"
+        browser.close()

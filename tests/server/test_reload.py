@@ -7,9 +7,12 @@ that fails validation leaves the old one serving and says why.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -196,3 +199,43 @@ def test_watch_serves_each_save_the_trainer_swaps_in(versions: dict[str, Path], 
                   lambda: httpx.get(server.base_url + "/info").json()["model_version"] != version)
         with running_server(versions["names-new"]) as fresh:
             assert _greedy(server, "\n", 12) == _greedy(fresh, "\n", 12)
+
+
+def test_train_serve_serves_each_improved_checkpoint_while_training(tmp_path: Path) -> None:
+    from tests.model.test_trainer import make_corpus
+    from tests.server.server import free_port
+
+    corpus, out, port = make_corpus(tmp_path / "plays.txt"), tmp_path / "run", free_port()
+    command = [str(Path(sys.executable).parent / "nanoserve"), "train", str(corpus), "--out", str(out),
+               "--serve", "--serve-port", str(port), "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
+               "--block-size", "32", "--batch-size", "8", "--max-iters", "400", "--warmup-iters", "2",
+               "--eval-interval", "40", "--eval-iters", "2", "--no-progress"]
+    log = tmp_path / "train.log"
+    with open(log, "wb") as sink:
+        run = subprocess.Popen(command, cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        seen: set[str] = set()
+
+        def served() -> str:
+            with contextlib.suppress(httpx.TransportError, KeyError, ValueError):
+                version = str(httpx.get(base + "/info", timeout=5).json()["model_version"])
+                seen.add(version)
+                return version
+            return ""
+
+        _wait_for("training to finish while serving",
+                  lambda: bool(served()) and "training finished; still serving" in log.read_text(),
+                  timeout=180)
+        final = load_checkpoint(out).provenance["steps"]
+        _wait_for("the final checkpoint served", lambda: served().endswith(f"@step{final}"))
+        assert httpx.post(base + "/generate", json={"inputs": "KING"}, timeout=30).status_code == 200
+        assert len(seen) >= 2, seen  # earlier saves were served before the last
+        run.send_signal(signal.SIGINT)
+        assert run.wait(60) == 0, log.read_text()
+        with pytest.raises(httpx.TransportError):
+            httpx.get(base + "/health", timeout=2)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(30)

@@ -9,6 +9,7 @@ import logging
 import os
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from nanoserve.model.chat_template import validate_template
 from nanoserve.model.config import PRESETS, GPTConfig
 from nanoserve.model.training.data import TrainInputError
+from nanoserve.model.training.serve_alongside import ServeAlongside
 from nanoserve.model.training.trainer import TrainConfig, train
 
 _MODEL_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "dropout")
@@ -63,6 +65,11 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--name", help="checkpoint name (default: the output folder's name)")
     p.add_argument("--chat-template", type=Path, help="JSON file with the checkpoint's chat template")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--serve", action="store_true",
+                   help="serve --out while training (nanoserve serve --watch, from the first save on): "
+                   "each improved checkpoint is reloaded, the chat page shows the model learning; it "
+                   "keeps serving after training until Ctrl-C")
+    p.add_argument("--serve-port", type=int, default=8000, help="the port --serve listens on (127.0.0.1)")
     p.set_defaults(func=run_train)
 
 
@@ -73,6 +80,9 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
             raise TrainInputError(f"--{name.replace('_', '-')} must be positive")
     if args.warmup_iters < 0 or args.warmup_iters >= args.max_iters:
         raise TrainInputError("--warmup-iters must be at least 0 and less than --max-iters")
+    if args.serve and dist.is_torchelastic_launched():
+        raise TrainInputError("--serve runs with one process; beside torchrun, start "
+                              "`nanoserve serve --watch --checkpoint OUT` once the first save is there")
     if args.min_lr > args.lr:
         raise TrainInputError("--min-lr must not exceed --lr")
     model = dict(PRESETS[args.preset]) if args.preset else {}
@@ -116,10 +126,22 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    code = _train_and_report(args)
+    alongside = ServeAlongside(args.serve_port) if args.serve else None
+    args.on_save = alongside.on_save if alongside is not None else None
+    try:
+        code = _train_and_report(args)
+    except BaseException:
+        if alongside is not None:
+            alongside.stop()
+        raise
     if dist.is_torchelastic_launched():
         _leave_worker(code)
-    return code
+    if alongside is None:
+        return code
+    if code != 0:  # a failed or interrupted run: stop serving what it left
+        alongside.stop()
+        return code
+    return alongside.serve_on()
 
 
 def _missing_extras(progress: bool) -> list[str]:
@@ -136,7 +158,8 @@ def _train_and_report(args: argparse.Namespace) -> int:
               "pip install 'nanoserve[train]'", file=sys.stderr)
         return 2
     try:
-        prov = train(_config_from_args(args))
+        cfg = _config_from_args(args)
+        prov = train(replace(cfg, on_save=args.on_save))
     except TrainInputError as e:
         print(f"nanoserve train: error: {e}", file=sys.stderr)
         return 2

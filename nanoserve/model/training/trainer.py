@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -65,6 +66,7 @@ class TrainConfig:
     sample_tokens: int = 500
     progress: bool = True
     command: str = ""
+    on_save: Callable[[Path], None] | None = None  # called after each checkpoint is in place
 
 
 @dataclass
@@ -260,6 +262,8 @@ def _train(cfg: TrainConfig, rank: _Dist) -> dict[str, Any]:
                                        elapsed_before + time.time() - t0, tokens_per_step, old_prov)
                     _save(cfg, model, tokenizer, prov, optimizer,
                           {"history": history, "train_curve": curve}, step, best_val, best_step)
+                    if cfg.on_save is not None:
+                        cfg.on_save(cfg.out_dir)
             # Every rank must agree to stop, or the collectives would hang.
             stop = torch.tensor([1.0 if out_of_time else 0.0])
             if rank.world > 1:

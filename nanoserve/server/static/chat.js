@@ -181,6 +181,14 @@ function setBusy(busy) {
   document.body.dataset.busy = busy ? "true" : "false";
 }
 
+// The served models (GET /v1/models, the default first); the picker shows when there are several.
+let models = [];
+
+function showModel(card) {
+  modelId = card.id;
+  $("model").textContent = card.max_model_len ? `${card.id} · ${card.max_model_len}-token window` : card.id;
+}
+
 async function loadModel() {
   try {
     const response = await fetch("/v1/models", { headers: headers() });
@@ -189,10 +197,14 @@ async function loadModel() {
       return;
     }
     const data = await response.json();
-    const card = data.data?.[0];
+    models = data.data ?? [];
+    const card = models.find((m) => m.id === modelId) ?? models[0];
     if (!card) return;
-    modelId = card.id;
-    $("model").textContent = card.max_model_len ? `${card.id} · ${card.max_model_len}-token window` : card.id;
+    const picker = $("model-picker");
+    picker.replaceChildren(...models.map((m) => new Option(m.id, m.id)));  // text, never HTML
+    picker.value = card.id;
+    picker.hidden = models.length < 2;
+    showModel(card);
   } catch (err) {
     $("model").textContent = "server unreachable";
   }
@@ -212,6 +224,10 @@ function init() {
     if (key) localStorage.setItem(KEY_STORAGE, key);
     else localStorage.removeItem(KEY_STORAGE);
     loadModel();
+  });
+  $("model-picker").addEventListener("change", () => {
+    const card = models.find((m) => m.id === $("model-picker").value);
+    if (card) showModel(card);
   });
   bindRange("temperature");
   bindRange("top-p");

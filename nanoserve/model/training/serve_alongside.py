@@ -1,0 +1,53 @@
+"""`nanoserve train --serve`: a server on the run's output that serves each improved checkpoint.
+
+The server is the ordinary `nanoserve serve --watch` in a process of its own (the trainer imports
+nothing of the server): it starts after the first save, when there is a checkpoint to serve, and
+reloads each later save, which the trainer swaps in whole (atomic_dir.py). When training ends it
+keeps serving the final checkpoint until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+class ServeAlongside:
+    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
+        self.port = port
+        self.host = host
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def on_save(self, out: Path) -> None:
+        """Called after each save: the first one starts the server."""
+        if self.process is not None:
+            return
+        command = [sys.executable, "-m", "nanoserve.cli", "serve", "--checkpoint", str(out), "--watch",
+                   "--host", self.host, "--port", str(self.port), "--log-level", "warning"]
+        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        print(f"\nserving {out} on http://{self.host}:{self.port}/ (the chat page); each improved "
+              "checkpoint is reloaded as it is saved", file=sys.stderr, flush=True)
+
+    def serve_on(self) -> int:
+        """After training: keep serving until Ctrl-C (or the server ends); the server's exit status."""
+        if self.process is None:
+            return 0
+        print(f"training finished; still serving on http://{self.host}:{self.port}/ (Ctrl-C stops it)",
+              file=sys.stderr, flush=True)
+        try:
+            return self.process.wait()
+        except KeyboardInterrupt:
+            return self.stop()
+
+    def stop(self) -> int:
+        """Drain and stop the server (SIGTERM; the server's drain timeout bounds it)."""
+        if self.process is None:
+            return 0
+        if self.process.poll() is None:
+            self.process.terminate()
+        try:
+            return self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
