@@ -18,7 +18,14 @@ import pytest_asyncio
 from pydantic import BaseModel, Field
 
 from nanoserve.model.chat_template import render_chat
-from nanoserve.server.api.openai.tool_parsers import FORMATS, StreamedCalls, format_of_template
+from nanoserve.server.api.openai.tool_parsers import (
+    FORMATS,
+    CallArgs,
+    CallHead,
+    CallReader,
+    StreamedCalls,
+    format_of_template,
+)
 from tests.conftest import make_tiny_checkpoint, require_module
 from tests.server.asgi import AppClient, asgi_client
 from tests.server.server import REPO_ROOT, ServerProcess, running_server
@@ -146,6 +153,7 @@ def test_streamed_calls_are_reassembled_by_the_sdk_stream_helper(client: openai.
     assert head.index == 0 and head.id and head.type == "function"
     assert head.function is not None and head.function.name == "get_weather"
     assert all(d.index == 0 and d.id is None and d.function and d.function.name is None for d in rest)
+    assert len(rest) > 1  # the arguments stream as they are written, not at the end
     args = "".join((d.function.arguments or "") for d in [head, *rest] if d.function)
     jsonschema.validate(json.loads(args), CITY)
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
@@ -294,6 +302,23 @@ def test_streamed_parsing_matches_the_whole_parse_one_character_at_a_time() -> N
         else:
             assert sent + rest == text
             assert name != "hermes" or sent == text  # no marker: content flows as it comes
+
+
+def test_a_forced_call_streams_its_arguments_as_they_are_written() -> None:
+    """Braces, brackets, quotes and escapes inside strings do not end a call's arguments early."""
+    text = ('[{"name": "get_weather", "arguments": {"city": "a\\"}]{", "days": 2}}, '
+            '{"name": "get_time", "arguments": {}}]')
+    for step in (1, 3, len(text)):
+        calls = CallReader(FORMATS["json"], OFFERED).stream()
+        pieces = []
+        for k in range(0, len(text), step):
+            calls.feed(text[k:k + step])
+            pieces += calls.take()
+        heads = [p for p in pieces if isinstance(p, CallHead)]
+        assert [(h.index, h.name) for h in heads] == [(0, "get_weather"), (1, "get_time")]
+        args = ["".join(p.text for p in pieces if isinstance(p, CallArgs) and p.index == i) for i in (0, 1)]
+        assert [json.loads(a) for a in args] == [{"city": 'a"}]{', "days": 2}, {}]
+        assert calls.end() == ("", [])
 
 
 def test_the_formats_templates_teach() -> None:

@@ -36,7 +36,7 @@ from nanoserve.server.api.openai.objects import (
     TopLogprob,
     Usage,
 )
-from nanoserve.server.api.openai.tool_parsers import Parsed, StreamedCalls
+from nanoserve.server.api.openai.tool_parsers import CallArgs, CallHead, Parsed, StreamedCalls
 from nanoserve.server.streaming.sse import EventTemplate, sse_event
 
 DONE = b"data: [DONE]\n\n"
@@ -283,20 +283,26 @@ class ChatChunks(_Chunks):
     def _delta(self, delta: ChatDelta) -> bytes:
         return self._envelope([ChatChunkChoice(index=self.index, delta=delta)])
 
+    def _pieces(self, pieces: list[CallHead | CallArgs]) -> Iterator[bytes]:
+        """Calls as OpenAI's deltas: index, id, type and name first, then arguments fragments."""
+        for p in pieces:
+            if isinstance(p, CallHead):
+                call = ToolCallDelta(index=p.index, id=p.id, type="function",
+                                     function=FunctionDelta(name=p.name, arguments=""))
+            else:
+                call = ToolCallDelta(index=p.index, function=FunctionDelta(arguments=p.text))
+            yield self._delta(ChatDelta(tool_calls=[call]))
+
     def _tool_calls(self) -> Iterator[bytes]:
-        """The end of a reply read for calls: held text that was not a call, or each call's
-        name, then its arguments."""
+        """The end of a reply read for calls: held text that was not a call, or the calls not
+        streamed as they were written (all but a forced call's)."""
         assert self.calls is not None
         rest, calls = self.calls.end()
         if rest:
             yield self.content_chunk(rest)
         for k, call in enumerate(calls):
-            head = ToolCallDelta(index=k, id=call.id, type="function",
-                                 function=FunctionDelta(name=call.name, arguments=""))
-            yield self._delta(ChatDelta(tool_calls=[head]))
-            args = ToolCallDelta(index=k, function=FunctionDelta(arguments=call.arguments))
-            yield self._delta(ChatDelta(tool_calls=[args]))
-        self.called = bool(calls)
+            yield from self._pieces([CallHead(k, call.id, call.name), CallArgs(k, call.arguments)])
+        self.called = bool(calls) or self.calls.started > 0
 
     def _content(self, event: TokenEvent) -> Iterator[bytes]:
         if not self.started:  # OpenAI opens every stream with the assistant role and empty content
@@ -305,6 +311,8 @@ class ChatChunks(_Chunks):
             role = ChatDelta(role="assistant", content=None if forced else "")
             yield self._envelope([ChatChunkChoice(index=self.index, delta=role)])
         text = event.text if self.calls is None else self.calls.feed(event.text)
+        if self.calls is not None:
+            yield from self._pieces(self.calls.take())
         entry = chat_logprob(self.reply, event) if self.logprobs else None
         if entry is not None:
             held = text or None if self.calls is not None else text  # no "" content for a held call

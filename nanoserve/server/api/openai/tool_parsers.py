@@ -143,6 +143,23 @@ def format_of_template(source: str) -> CallFormat | None:
     return None
 
 
+@dataclass(frozen=True)
+class CallHead:
+    """A streamed call's start: its index in the reply, id and function name."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArgs:
+    """A fragment of a streamed call's arguments."""
+
+    index: int
+    text: str
+
+
 class StreamedCalls:
     """One streamed reply: content is released as soon as it cannot be part of a call; the
     calls (and any held text that turned out not to be one) come at the end."""
@@ -152,6 +169,13 @@ class StreamedCalls:
         self.offered = offered
         self.text = ""
         self.sent = 0
+        self.started = 0  # calls already streamed as they were written
+        self.pieces: list[CallHead | CallArgs] = []
+
+    def take(self) -> list[CallHead | CallArgs]:
+        """The calls' pieces written since the last take (only a forced call streams them)."""
+        out, self.pieces = self.pieces, []
+        return out
 
     def feed(self, delta: str) -> str:
         """The content this delta releases ("" while a call may be arriving). A format's
@@ -169,6 +193,58 @@ class StreamedCalls:
         return self.text[self.sent:], []
 
 
+class ForcedCallStream(StreamedCalls):
+    """A forced reply (the grammar's `{"name": ..., "arguments": ...}` layout, or a list of them)
+    streamed as it is written: each call's head once its name is complete, then its arguments in
+    the fragments they arrive in. The JSON is scanned once, a character at a time, for string
+    and nesting state."""
+
+    _HEAD = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+
+    def __init__(self, fmt: CallFormat, offered: frozenset[str]) -> None:
+        super().__init__(fmt, offered)
+        self.depth = 0
+        self.base: int | None = None  # the depth of a call object's braces: 1 inside a list
+        self.in_string = self.escaped = False
+        self.phase = "between"  # "head" (its name being written), "args", "between"
+        self.head_at = 0
+
+    def feed(self, delta: str) -> str:
+        start, self.text = len(self.text), self.text + delta
+        args_from = start if self.phase == "args" else None
+        for i in range(start, len(self.text)):
+            ch = self.text[i]
+            if self.in_string:
+                self.escaped, self.in_string = (False, True) if self.escaped else (ch == "\\", ch != '"')
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                if self.base is None:
+                    self.base = 1 if ch == "[" else 0
+                if ch == "{" and self.depth == self.base and self.phase == "between":
+                    self.phase, self.head_at = "head", i
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.phase == "args" and self.depth == self.base:  # the call object closed
+                    self._args(args_from if args_from is not None else i, i)
+                    self.phase, args_from = "between", None
+            if self.phase == "head" and (m := self._HEAD.fullmatch(self.text, self.head_at, i + 1)):
+                self.pieces.append(CallHead(self.started, f"call_{new_id()[:24]}", json.loads(m[1])))
+                self.started += 1
+                self.phase, args_from = "args", i + 1
+        if self.phase == "args" and args_from is not None:
+            self._args(args_from, len(self.text))
+        return ""
+
+    def _args(self, start: int, end: int) -> None:
+        if end > start:
+            self.pieces.append(CallArgs(self.started - 1, self.text[start:end]))
+
+    def end(self) -> tuple[str, list[ParsedCall]]:
+        return ("", []) if self.started else super().end()
+
+
 @dataclass(frozen=True)
 class CallReader:
     """Reads one request's replies for calls of the functions it offered."""
@@ -180,4 +256,5 @@ class CallReader:
         return self.fmt.parse(text, self.offered)
 
     def stream(self) -> StreamedCalls:
-        return StreamedCalls(self.fmt, self.offered)
+        kind = ForcedCallStream if self.fmt.name == "json" else StreamedCalls
+        return kind(self.fmt, self.offered)
