@@ -184,3 +184,29 @@ def test_a_clients_grammar_is_not_stuck_behind_anothers_compiles(server: ServerP
     assert r.status_code == 200 and re.fullmatch("[a-e]{3}", r.json()["generated_text"]), r.text
     assert done.is_set()
     assert waited < alone + 3.0  # a few compiles of ~0.1-0.3 s, not the whole flood
+
+
+def test_a_client_that_left_frees_its_compiles(server: ServerProcess) -> None:
+    """Compiles of a client that went away are dropped before they start: its share of the queue
+    (4 here: max_waiting_per_client, half of max_queue) is free again at once, not after them."""
+    base = server.base_url
+    # ~0.5 s each of the grammar pool before max_items_in_row refuses it.
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1500)}}
+    bomb = {"inputs": "x", "parameters": {"grammar": {"type": "json", "value": wide}}}
+    gone = 0
+    for _ in range(4):  # the client's whole share, each request abandoned at once
+        try:
+            httpx.post(f"{base}/generate", json=bomb, timeout=0.05, headers={"X-Client": "leaver"})
+        except httpx.TimeoutException:
+            gone += 1
+    assert gone == 4
+    time.sleep(0.2)  # the server sees the disconnects
+    small = {"inputs": "It was", "parameters": {"max_new_tokens": 8,
+                                                "grammar": {"type": "regex", "value": "[a-e]{3}"}}}
+    t0 = time.perf_counter()
+    r = post(base, "/generate", small, client="leaver")
+    waited = time.perf_counter() - t0
+    print(f"after leaving 4 compiles: a small grammar answered in {waited:.3f} s")
+    assert r.status_code == 200, r.text  # not 429: the abandoned compiles no longer count
+    assert re.fullmatch("[a-e]{3}", r.json()["generated_text"]), r.text
+    assert waited < 1.2  # behind one running compile at most, not four
