@@ -1,10 +1,12 @@
-"""The FastAPI application: `create_app(settings)` builds it; the lifespan loads the model.
+"""The FastAPI application: `create_app(settings)` builds it; the lifespan loads the models (one
+engine each, in `app.state.registry`: nanoserve/server/models/).
 
 Layout of a request (outermost first): RequestContextMiddleware (arrival time, X-Request-Id,
 access log) -> the metrics middleware -> ErrorDialects (each API family's error shape) -> CORS
 (only when origins are configured) -> HeaderLimitMiddleware (431) -> DrainGate (503 while
 shutting down) -> ApiKeyGate (401, when keys are set) -> BodyLimitMiddleware (413) -> HeadAsGet
-(HEAD on GET routes) -> FastAPI (routes, the shared error handlers of nanoserve/server/http/errors.py).
+(HEAD on GET routes) -> ModelHeaders (X-Nanoserve-Model) -> FastAPI (routes, the shared error
+handlers of nanoserve/server/http/errors.py).
 The OpenAPI document is completed by nanoserve/server/api/docs.py (shared error statuses, SSE events).
 
 Integration points for other modules:
@@ -12,7 +14,8 @@ Integration points for other modules:
 1. Routers. The OpenAI-compatible API and the chat page add themselves in `_include_routers`:
    `app.include_router(openai_router)` / `app.include_router(chat_router)`. The API-key
    gate covers every path but the public ones (nanoserve/server/http/auth.py), so nothing extra is needed.
-   Routes get the engine with `engine: EngineDep` and settings with `settings: SettingsDep`
+   Routes get the engine of the request's model with `engine: EngineDep` (the body's `model` on
+   /v1, the X-Model header elsewhere) and settings with `settings: SettingsDep`
    (nanoserve/server/deps.py, re-exported here), and run generations through
    nanoserve/server/streaming/generation.py (`start_generation`, `collect`) and
    nanoserve/server/streaming/sse.py (`event_stream`),
