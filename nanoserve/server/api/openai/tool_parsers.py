@@ -3,7 +3,7 @@
 - `json`: a forced call's output (tool_choice "required" or a named function), which the grammar
   makes `{"name": ..., "arguments": {...}}`, or with parallel calls a list of those.
 - `hermes`: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call,
-  after optional text (Qwen2.5, SmolLM3, the Hermes models: their templates teach it).
+  after optional text (Qwen2.5 and the Hermes models: their templates teach it).
 - `llama3`: the whole reply one JSON object `{"name": ..., "parameters": {...}}`, optionally after
   `<|python_tag|>` (the templates of Llama 3.1 to 3.3 teach it), or a list of them.
 
