@@ -199,6 +199,23 @@ def test_langchain_bind_tools_with_tool_choice_required(server: ServerProcess) -
         GetWeather.model_validate(call["args"])
 
 
+def test_huggingface_hub_chat_completion_with_tools(server: ServerProcess) -> None:
+    """huggingface_hub sends TGI's named choice, {"function": {"name": ...}} without "type"."""
+    require_module("huggingface_hub")
+    from huggingface_hub import InferenceClient
+
+    hub = InferenceClient(base_url=server.base_url, timeout=60)
+    choices: list[Any] = ["required", {"function": {"name": "get_weather"}}]
+    for choice in choices:
+        out = hub.chat_completion(ASK, tools=[WEATHER, CLOCK], tool_choice=choice, max_tokens=700, seed=7)
+        message = out.choices[0].message
+        assert out.choices[0].finish_reason == "tool_calls" and message.tool_calls
+        for call in message.tool_calls:
+            args = json.loads(call.function.arguments)
+            jsonschema.validate(args, SCHEMAS[call.function.name])
+            assert choice == "required" or call.function.name == "get_weather"
+
+
 # ------------------------------------------------------------------ auto
 
 
