@@ -239,3 +239,22 @@ def test_train_serve_serves_each_improved_checkpoint_while_training(tmp_path: Pa
         if run.poll() is None:
             run.kill()
             run.wait(30)
+
+
+def test_a_checkpoint_too_big_for_memory_is_refused_before_it_is_allocated(
+    versions: dict[str, Path], tmp_path: Path
+) -> None:
+    served = _copy(versions["names"], tmp_path / "names")
+    # 1,024 slots of a 2^20-token window: 8 TiB of KV cache, more than any host has.
+    with running_server(served, args=["--max-seqs", "1024"]) as server:
+        version = _version(server)
+        with staged_directory(served) as stage:  # rotary positions: the window is only a number
+            config = json.loads((versions["names-new"] / CONFIG_FILE).read_text())
+            config["model"]["block_size"] = 1 << 20  # the most a config may say
+            (stage / CONFIG_FILE).write_text(json.dumps(config))
+            for name in (TOKENIZER_FILE, WEIGHTS_FILE):
+                shutil.copy2(versions["names-new"] / name, stage / name)
+        (entry,) = httpx.post(server.base_url + "/admin/reload", timeout=60).json()["models"]
+        assert entry["result"] == "failed" and "GiB" in entry["error"] and "--max-context" in entry["error"]
+        assert _version(server) == version
+        assert httpx.get(server.base_url + "/ready").status_code == 200
