@@ -135,3 +135,17 @@ def test_the_chat_page_picks_a_model(both: ServerProcess) -> None:
         wait_until(lambda: sent, what="the chat request")
         assert sent[0]["model"] == "baby-names"
         browser.close()
+
+
+async def test_health_names_a_model_whose_engine_thread_is_gone(tiny_checkpoint: Path) -> None:
+    from tests.server.asgi import asgi_client
+
+    models = [str(tiny_checkpoint), f"two={tiny_checkpoint}"]
+    async with asgi_client(tiny_checkpoint, models=models) as client:
+        assert (await client.get("/health")).status_code == 200
+        r = await client.post("/generate", json={"inputs": "hi"}, headers={"X-Model": "two"})
+        assert r.status_code == 200 and r.headers["X-Nanoserve-Model"] == "two"
+        (two,) = [m for m in client.app.state.registry if m.name == "two"]
+        await two.engine.shutdown(0.0)
+        r = await client.get("/health")
+        assert r.status_code == 503 and "'two'" in r.json()["error"]["message"]

@@ -19,10 +19,14 @@ def _probe_doc(ok: str) -> dict[int | str, dict[str, Any]]:
 
 @router.get("/health", responses=_probe_doc("The process and the engine thread are alive."))
 async def health(request: Request) -> Response:
-    """Liveness: the process answers and the engine thread is alive."""
+    """Liveness: the process answers and every served model's engine thread is alive."""
     engine = request.app.state.engine
     if engine is not None and not engine.health():
         return error_response(503, "the engine thread is not running", code="engine_dead")
+    for served in request.app.state.registry:
+        if not served.engine.health():
+            return error_response(503, f"the engine thread of model {served.name!r} is not running",
+                                  code="engine_dead")
     # Still loading is alive: restarting a process that is loading its checkpoint helps no one.
     return JSONResponse({"status": "ok"})
 
