@@ -156,6 +156,10 @@ def test_streamed_calls_are_reassembled_by_the_sdk_stream_helper(client: openai.
     assert len(rest) > 1  # the arguments stream as they are written, not at the end
     args = "".join((d.function.arguments or "") for d in [head, *rest] if d.function)
     jsonschema.validate(json.loads(args), CITY)
+    whole = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=200, seed=4)
+    calls: Any = whole.choices[0].message.tool_calls
+    assert calls[0].function.arguments == args  # the same bytes, streamed or not
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
         ["tool_calls"]
 

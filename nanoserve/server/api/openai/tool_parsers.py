@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nanoserve.engine.ids import new_id
@@ -79,7 +79,16 @@ class JsonCalls(CallFormat):
 
     def parse(self, text: str, offered: frozenset[str]) -> Parsed:
         calls = _calls_in(_json(text), offered, ("arguments",))
-        return Parsed(None, calls) if calls else Parsed(text, [])
+        if not calls:
+            return Parsed(text, [])
+        # Each call's arguments as written, as a stream sends them (the same bytes either way).
+        scan = ForcedCallStream(self, offered)
+        scan.feed(text)
+        pieces = scan.take()
+        written = ["".join(p.text for p in pieces if isinstance(p, CallArgs) and p.index == k)
+                   for k in range(len(calls))]
+        return Parsed(None, [replace(c, arguments=w or c.arguments)
+                             for c, w in zip(calls, written, strict=True)])
 
     def releasable(self, text: str) -> int:
         return 0
