@@ -46,14 +46,13 @@ class EngineCore:
         # Grammar masks of the rows this step samples, computed beside the forward.
         self.runner.grammar_mask.start([item.req.constraint for item in plan.items if item.completes
                                         and item.req.constraint is not None and samples_tokens(item.req)])
-        t0 = time.perf_counter()
         forward = self.runner.forward(plan.items)
         out = StepOutput(forward_done=time.perf_counter(), errors=forward.errors, rows=forward.rows)
         if forward.logits is None:
             return out
         reqs = [plan.items[i].req for i in forward.rows]
         logits = forward.logits
-        deferred = self._late_masks(plan, forward.rows, out.forward_done + (out.forward_done - t0))
+        deferred = self._late_masks(plan, forward.rows, out.forward_done)
         out.deferred = {forward.rows[j] for j in deferred}
         keep = [j for j, req in enumerate(reqs) if samples_tokens(req) and j not in deferred]
         if len(keep) < len(reqs):  # requests that only score their prompt (or wait for a mask) draw nothing
@@ -64,8 +63,8 @@ class EngineCore:
         return out
 
     def _late_masks(self, plan: StepPlan, rows: list[int], deadline: float) -> set[int]:
-        """Positions in `rows` of decode rows whose grammar mask is still being computed at
-        `deadline` (the forward's time after its end) plus MASK_WAIT_S: they wait for the next step
+        """Positions in `rows` of decode rows whose grammar mask, begun with the forward, is still
+        being computed MASK_WAIT_S after `deadline` (the forward's end): they wait for the next step
         (Scheduler.update_from_output feeds their token again) rather than delay the batch."""
         found = [(j, c) for j, i in enumerate(rows)
                  if (c := plan.items[i].req.constraint) is not None and samples_tokens(plan.items[i].req)]

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from nanoserve.engine import grammar_limits as limits
+from nanoserve.engine.grammar_pool import lower_thread_priority
 from nanoserve.engine.types import GrammarSpec, InvalidRequest
 from nanoserve.model.tokenizer import BPETokenizer, Tokenizer
 
@@ -238,7 +239,7 @@ class GrammarMask:
 
     `start` computes the masks of the rows a step will sample on a thread of its own while the
     forward runs (llguidance drops the GIL, as the forward's kernels do). After the forward,
-    `late` waits for them until a deadline (the forward's own time again, and MASK_WAIT_S): a row
+    `late` waits for them until a deadline (MASK_WAIT_S after the forward's end): a row
     whose mask is not ready by then is not sampled this step (the engine feeds its last token
     again next step, when its mask is ready), so a costly grammar delays its own request and never
     its batch. Each mask is timed against its request's budget (grammar_limits.py)."""
@@ -251,7 +252,8 @@ class GrammarMask:
         for c in constraints:
             if c.failure is None and c.job is None and c.masked_at != c.consumed:
                 if self._thread is None:
-                    self._thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")
+                    self._thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks",
+                                                      initializer=lower_thread_priority)
                 c.job = self._thread.submit(c.compute_mask, (c.n_vocab + 31) // 32)
 
     @staticmethod
