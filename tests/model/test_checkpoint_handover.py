@@ -26,6 +26,8 @@ def test_a_staged_directory_replaces_the_old_one_whole_and_keeps_other_files(tmp
     target.mkdir()
     (target / "a.txt").write_text("old a")
     (target / "notes.txt").write_text("the user's")
+    (target / "plots").mkdir()
+    (target / "plots" / "old.png").write_bytes(b"png")
     inode = (target / "notes.txt").stat().st_ino
     with staged_directory(target) as stage:
         (stage / "a.txt").write_text("new a")
@@ -33,6 +35,7 @@ def test_a_staged_directory_replaces_the_old_one_whole_and_keeps_other_files(tmp
     assert (target / "a.txt").read_text() == "new a"
     assert (target / "notes.txt").read_text() == "the user's"
     assert (target / "notes.txt").stat().st_ino == inode  # linked, not copied
+    assert (target / "plots" / "old.png").read_bytes() == b"png"
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no staging directory left behind
 
 

@@ -36,19 +36,23 @@ def _exchange(a: Path, b: Path) -> bool:
     return rc == 0
 
 
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
 def _carry_over(old: Path, new: Path) -> None:
     """Hard-link (or copy) into `new` each entry of `old` that `new` does not have."""
     for entry in old.iterdir():
         target = new / entry.name
         if target.exists() or entry.name.startswith(".write-test"):
             continue
-        if entry.is_dir():
-            shutil.copytree(entry, target)
-            continue
-        try:
-            os.link(entry, target)
-        except OSError:
-            shutil.copy2(entry, target)
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, target, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(str(entry), str(target))
 
 
 def _fsync_dir(path: Path) -> None:
