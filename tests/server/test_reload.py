@@ -208,8 +208,9 @@ def test_train_serve_serves_each_improved_checkpoint_while_training(tmp_path: Pa
     corpus, out, port = make_corpus(tmp_path / "plays.txt"), tmp_path / "run", free_port()
     command = [str(Path(sys.executable).parent / "nanoserve"), "train", str(corpus), "--out", str(out),
                "--serve", "--serve-port", str(port), "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
-               "--block-size", "32", "--batch-size", "8", "--max-iters", "400", "--warmup-iters", "2",
-               "--eval-interval", "40", "--eval-iters", "2", "--no-progress"]
+               "--block-size", "32", "--batch-size", "8", "--max-iters", "100000", "--warmup-iters", "2",
+               "--eval-interval", "20", "--eval-iters", "2", "--no-progress",
+               "--max-minutes", "0.5"]  # long enough to span the server's start, however fast
     log = tmp_path / "train.log"
     with open(log, "wb") as sink:
         run = subprocess.Popen(command, cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT)
