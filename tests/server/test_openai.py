@@ -212,8 +212,8 @@ def test_logprobs(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "field", "says"), [
-    ({"tools": [{"type": "function", "function": {"name": "f g", "parameters": {}}}]}, "tools[0].function.name",
-     "function names"),
+    ({"tools": [{"type": "function", "function": {"name": "f g", "parameters": {}}}]},
+     "tools[0].function.name", "function names"),
     ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate", "Extra inputs"),
     ({"extra_body": {"temperature": True}}, "temperature", "valid number"),

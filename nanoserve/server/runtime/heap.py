@@ -14,8 +14,8 @@ def freeze_startup_heap() -> bool:
 
     A full collection walks every tracked object while holding the GIL, so it stalls the engine
     thread and every stream (160-200 ms here before freezing; the levers table of
-    docs/performance.md has the measurement). Reference counting still frees these objects; only cycles among them would wait
-    for `gc.unfreeze()` (at shutdown). What is garbage already goes first.
+    docs/performance.md has the measurement). Reference counting still frees these objects; only
+    cycles among them would wait for `gc.unfreeze()` (at shutdown). What is garbage already goes first.
     """
     if gc.get_freeze_count():
         return False  # another app in this process froze the heap; it unfreezes it
