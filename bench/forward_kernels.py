@@ -10,10 +10,12 @@ logits). Variants alternate in one process; each runs `--steps` forwards per rou
 rounds, median per round, best round kept. Also prints the GB/s of weights a batch-1 step implies,
 and where the CPU has AVX-512, the native step's time on its AVX2 kernels over its time on the
 AVX-512 ones (the same bits; alternating with the others).
-Writes bench/results/decode-step.md. With --dtypes instead: the native step with float32 or bfloat16
-weights and KV cache, decode rows at --positions (bench/results/decode-step-dtypes.md); where a
-bf16 model runs on a tile level (AVX512-BF16 or AMX), also on the widening kernels. Not a
-test: nothing here asserts a speed.
+Writes bench/results/decode-step-<microarchitecture>.md. With --dtypes instead: the native step
+with float32 or bfloat16 weights and KV cache, decode rows at --positions
+(bench/results/decode-step-dtypes-*.md); where a
+bf16 model runs on a tile level (AVX512-BF16 or AMX), also on the widening kernels. With --tiles: a
+bf16 model's decode rows and prompt chunks on each tile level the CPU runs and on the widening
+kernels (bench/results/decode-step-tiles-*.md). Not a test: nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -164,6 +166,35 @@ def bench_dtypes(
     return lines
 
 
+@torch.inference_mode()
+def bench_tiles(shape: str, rows_list: list[int], prefills: list[int], steps: int, rounds: int) -> list[str]:
+    """A bfloat16 model's step on each tile level this CPU runs (AMX, AVX512-BF16) and on the
+    widening AVX-512 kernels: decode rows at POSITION and prompt chunks from position 0, by size."""
+    cfg = SHAPES[shape]
+    torch.manual_seed(0)
+    model = GPT(cfg).eval().to(torch.bfloat16)
+    slots = max(rows_list)
+    cache = SpanKVCache(cfg.n_layer, slots, cfg.n_head, cfg.block_size, cfg.head_dim, torch.bfloat16, "cpu")
+    for layer in cache.layers:  # any values: only the bytes read matter here
+        for buf in (layer.k, layer.v):
+            assert isinstance(buf, torch.Tensor)
+            buf.normal_()
+    native = NativeStep(model, cache, max_threads=torch.get_num_threads(), max_rows=max([*prefills, slots]))
+    levels: list[str] = [lv for lv in ("amx", "avx512bf16", "avx512") if native.use_isa(lv) == lv]
+    lines = []
+    work = [(f"decode, {r} rows", [1] * r, [POSITION] * r, list(range(r))) for r in rows_list]
+    work += [(f"prefill, {n} tokens", [1] * n, list(range(n)), [0] * n) for n in prefills]
+    for what, toks, pos, slot in work:
+        fns = {lv: _at_level(native, lv, partial(native, toks, pos, slot)) for lv in levels}
+        best = best_median_s(fns, steps, rounds)
+        base = best.get("avx512bf16")
+        for lv, t in best.items():
+            ratio = f"{base / t:.2f}" if base else "-"
+            lines.append(f"| {shape} | {what} | {lv} | {t * 1e3:.2f} | {ratio} |")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.forward_kernels", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -177,9 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", action="store_true",
                     help="instead: the native step with float32/bfloat16 weights and KV cache")
     ap.add_argument("--positions", default="40,200", help="with --dtypes: decode positions")
+    ap.add_argument("--tiles", action="store_true",
+                    help="instead: a bf16 model's step on each tile level (AMX, AVX512-BF16) and AVX-512")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.dtypes:
+    if args.tiles:
+        what = f"A bfloat16 model (bf16 KV cache) by kernel level; decode rows at position {POSITION}"
+        columns = ["| model | forward | level | ms | speed vs avx512bf16 |", "|---|---|---|---|---|"]
+    elif args.dtypes:
         what = "The native step's decode forward by weight / KV cache dtype"
         columns = ["| model | rows | position | weights / cache | ms | speed vs float32 / float32 |",
                    "|---|---|---|---|---|---|"]
@@ -200,13 +236,17 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         steps = args.steps if shape == "10.7M" else max(5, args.steps // 4)
         window = SHAPES[shape].block_size
-        if args.dtypes:
+        if args.tiles:
+            prefills = [int(n) for n in args.prefill.split(",") if n and int(n) <= window]
+            lines += bench_tiles(shape, rows, prefills, steps, args.rounds)
+        elif args.dtypes:
             positions = [p for p in (int(x) for x in args.positions.split(",")) if p < window]
             lines += bench_dtypes(shape, rows, positions, steps, args.rounds)
         else:
             prefills = [int(n) for n in args.prefill.split(",") if n and int(n) <= window]
             lines += bench_shape(shape, rows, prefills, steps, args.rounds)
-    out = args.out or str(RESULTS / ("decode-step-dtypes.md" if args.dtypes else "decode-step.md"))
+    name = "decode-step-dtypes" if args.dtypes else "decode-step-tiles" if args.tiles else "decode-step"
+    out = args.out or str(RESULTS / f"{name}-{m['microarch']}.md")
     Path(out).write_text("\n".join(header + lines) + "\n")
     print(f"wrote {out}")
     return 0

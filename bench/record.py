@@ -55,9 +55,17 @@ _ZEN3 = ((0x00, 0x0F), (0x20, 0x5F))
 _ZEN4 = ((0x10, 0x1F), (0x60, 0x7F), (0xA0, 0xAF))
 
 
+# Intel family 6's server parts with AMX by model number (a cloud VM names them all "Intel(R)
+# Xeon(R) Processor", so the model number tells them apart).
+_INTEL_XEON = {0x8F: "sapphire-rapids", 0xCF: "emerald-rapids", 0xAD: "granite-rapids"}
+
+
 def microarch(vendor: str, family: int | None, model: int | None, name: str) -> str:
-    """A short name for the CPU's microarchitecture ("zen3", "zen4", "zen5"), else a slug of its
-    model name: the tag results files are named by."""
+    """A short name for the CPU's microarchitecture ("zen3", "zen4", "zen5", "sapphire-rapids",
+    "emerald-rapids", "granite-rapids"), else a slug of its model name: the tag results files are
+    named by."""
+    if vendor == "GenuineIntel" and family == 6 and model in _INTEL_XEON:
+        return _INTEL_XEON[model]
     if vendor == "AuthenticAMD" and family == 0x19 and model is not None:
         for arch, ranges in (("zen3", _ZEN3), ("zen4", _ZEN4)):
             if any(lo <= model <= hi for lo, hi in ranges):

@@ -58,7 +58,7 @@ from nanoserve.server.http.request_guard import BodyLimitMiddleware, DrainGate, 
 from nanoserve.server.metrics import Metrics
 from nanoserve.server.metrics.models import ModelSample
 from nanoserve.server.models.headers import ModelHeaders
-from nanoserve.server.models.loading import load_served
+from nanoserve.server.models.loading import START_ATTEMPTS, CheckpointChanged, load_served
 from nanoserve.server.models.registry import ModelRegistry, ServedModel, model_specs
 from nanoserve.server.models.reload import Reloader
 from nanoserve.server.runtime.gil import apply_switch_interval
@@ -120,8 +120,14 @@ async def _load_models(app: FastAPI, config: EngineConfig) -> None:
         checkpoint = given[i] if i < len(given) else None
         # `nanoserve serve` applied --chat-template to the checkpoints it loaded already.
         template = settings.chat_template if checkpoint is None else None
-        served = await load_served(spec, config, app.state.metrics.observer, chat_template=template,
-                                   checkpoint=checkpoint)
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                served = await load_served(spec, config, app.state.metrics.observer, chat_template=template,
+                                           checkpoint=checkpoint, accept_change=attempt == START_ATTEMPTS)
+                break
+            except CheckpointChanged as e:
+                log.warning("%s; reading it again", e)
+                checkpoint, template = None, settings.chat_template  # the given one is out of date
         del checkpoint
         try:
             registry.add(served)

@@ -21,10 +21,16 @@ def test_amd_family_26_is_zen5() -> None:
     assert microarch(AMD, 26, 0x44, "AMD Ryzen 9 9950X 16-Core Processor") == "zen5"
 
 
+def test_intel_xeons_with_amx_are_named_by_model() -> None:
+    assert microarch("GenuineIntel", 6, 143, "Intel(R) Xeon(R) Platinum 8481C CPU") == "sapphire-rapids"
+    assert microarch("GenuineIntel", 6, 207, "Intel(R) Xeon(R) Processor") == "emerald-rapids"
+    assert microarch("GenuineIntel", 6, 0xAD, "Intel(R) Xeon(R) 6") == "granite-rapids"
+
+
 def test_anything_else_is_a_slug_of_its_name() -> None:
-    name = "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz"
-    assert microarch("GenuineIntel", 6, 143, name) == "intel-r-xeon-r-platinum-8481c-cp"
-    assert len(microarch("GenuineIntel", 6, 143, name)) == 32
+    name = "Intel(R) Xeon(R) Platinum 8380 CPU @ 2.30GHz"  # Ice Lake: no AMX, not named
+    assert microarch("GenuineIntel", 6, 106, name) == "intel-r-xeon-r-platinum-8380-cpu"
+    assert len(microarch("GenuineIntel", 6, 106, name)) == 32
     # A family-25 model outside both ranges, and a missing model, are not guessed at.
     assert microarch(AMD, 25, 0x90, "AMD EPYC 1234") == "amd-epyc-1234"
     assert microarch(AMD, 25, None, "AMD EPYC") == "amd-epyc"
@@ -44,6 +50,8 @@ def test_cpuinfo_fields_are_the_first_processors() -> None:
 def test_the_machine_line_names_the_microarch_and_reads_older_records() -> None:
     assert cpu_label({"cpu": "AMD EPYC", "microarch": "zen4"}) == "AMD EPYC (zen4)"
     assert cpu_label({"cpu": "AMD EPYC"}) == "AMD EPYC"  # recorded before microarch was
-    # An Intel part's microarch is its name's slug: said once, not twice.
-    name = "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz"
-    assert cpu_label({"cpu": name, "microarch": microarch("GenuineIntel", 6, 143, name)}) == name
+    # A part without a known microarchitecture is named by its name's slug: said once, not twice.
+    name = "Intel(R) Xeon(R) Platinum 8380 CPU @ 2.30GHz"
+    assert cpu_label({"cpu": name, "microarch": microarch("GenuineIntel", 6, 106, name)}) == name
+    assert cpu_label({"cpu": "Intel(R) Xeon(R) Processor", "microarch": "emerald-rapids"}) == (
+        "Intel(R) Xeon(R) Processor (emerald-rapids)")

@@ -589,7 +589,7 @@ def test_the_two_tile_levels_compute_the_same_function(shape: str) -> None:
     # Where the float32 difference flips none of a row's bf16 roundings, the row is float32 rounding
     # apart; where it flips one, the row carries bf16's error from that layer on (BF16_FLIP_TOL). A
     # flip needs a float32 difference to straddle a bf16 rounding boundary, so it is rare (2 of 40
-    # rows in the shapes that have any, on a Sapphire Rapids host); a kernel error shows in every row.
+    # rows in the shapes that have any, on an Emerald Rapids host); a kernel error shows in every row.
     apart = (dot - tiles).abs().amax(dim=1)
     flipped = int((apart > FLOAT32_TOL).sum())
     assert flipped <= rows // 4, f"{flipped} of {rows} rows differ by more than float32 rounding"

@@ -33,6 +33,10 @@ class ServeAlongside:
         """After training: keep serving until Ctrl-C (or the server ends); the server's exit status."""
         if self.process is None:
             return 0
+        if self.process.poll() is not None:  # it said why on this terminal
+            print(f"training finished; the server had exited (status {self.process.returncode})",
+                  file=sys.stderr, flush=True)
+            return self.process.returncode or 1
         print(f"training finished; still serving on http://{self.host}:{self.port}/ (Ctrl-C stops it)",
               file=sys.stderr, flush=True)
         try:

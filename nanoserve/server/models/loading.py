@@ -33,6 +33,15 @@ class ModelLoadError(Exception):
     """A checkpoint that cannot be served; the message says why."""
 
 
+class CheckpointChanged(ModelLoadError):
+    """The checkpoint's files changed while it loaded: reading it again may succeed."""
+
+
+# A server starting beside a trainer that saves every few seconds may see a save land during its
+# first load: it reads the checkpoint again, and the last time serves what it read.
+START_ATTEMPTS = 3
+
+
 def _load(path: Path, chat_template: Path | None) -> Checkpoint:
     checkpoint = load_checkpoint(path)
     if chat_template is not None:
@@ -42,10 +51,12 @@ def _load(path: Path, chat_template: Path | None) -> Checkpoint:
 
 async def load_served(
     spec: ModelSpec, config: EngineConfig, observer: EngineObserver, *,
-    chat_template: Path | None = None, checkpoint: Checkpoint | None = None,
+    chat_template: Path | None = None, checkpoint: Checkpoint | None = None, accept_change: bool = False,
 ) -> ServedModel:
     """Load, build and warm up `spec`'s model (raises ModelLoadError, or what loading raised).
-    `checkpoint`: already loaded from `spec.path` (the first start's, validated by `nanoserve serve`)."""
+    `checkpoint`: already loaded from `spec.path` (the first start's, validated by `nanoserve serve`).
+    `accept_change`: serve it even if the files changed while it loaded (a complete checkpoint all the
+    same: loading checks every tensor), keeping the fingerprint from before so a watcher reloads."""
     path = spec.path
     before = fingerprint(path)
     try:
@@ -66,8 +77,11 @@ async def load_served(
     try:
         await engine.warmup()
         if fingerprint(path) != before:
-            raise ModelLoadError(f"{path} changed while it was loading (a writer still writing?); "
-                                 "the next reload reads it again")
+            if not accept_change:
+                raise CheckpointChanged(f"{path} changed while it was loading (a writer still writing?); "
+                                        "the next reload reads it again")
+            log.warning("%s changed while it was loading; serving what was loaded (%s), which a reload "
+                        "replaces", path, version.label())
     except BaseException:
         await engine.shutdown(0.0)
         raise
