@@ -109,10 +109,9 @@ class EngineConfig:
         None, "Waiting requests one client may have; beyond, 429 (default: half of max_queue). A client "
         "is its API key when keys are set, else its address (or client_id_header).", ge=1)
     # Prompt tokens prefilled per step (chunked prefill). Every decoding stream waits for the
-    # step's prompt chunks: at 32 streams through HTTP (124M bf16, 25-token prompts, alternating
-    # runs) 256 -> 96 took inter-token p99 from 133-140 to 59-68 ms and TTFT p50 from 176-205 to
-    # 120-163 ms at the same tokens/s, TTFT p99 414-449 -> 552-599 ms (a wave of prompts takes more
-    # steps). A long prompt alone takes more, smaller steps: raise it for long-prompt workloads.
+    # step's prompt chunks, so a smaller budget steadies inter-token latency at the cost of the
+    # last first token of a wave (256 -> 96 halved the 32-stream inter-token p99: docs/performance.md,
+    # levers). A long prompt alone takes more, smaller steps: raise it for long-prompt workloads.
     prefill_budget: int = setting(
         96, "Prompt tokens prefilled per engine step (smaller: steadier streams; a long prompt takes "
         "more steps).", ge=1)
