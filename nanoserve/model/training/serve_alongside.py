@@ -8,9 +8,20 @@ keeps serving the final checkpoint until Ctrl-C.
 
 from __future__ import annotations
 
+import ctypes
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _end_with_the_trainer() -> None:
+    """In the server's process before it runs: Linux sends it SIGTERM (a drain) when the trainer dies,
+    however it dies (a SIGKILL included), so no server outlives its run."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
 class ServeAlongside:
@@ -25,7 +36,7 @@ class ServeAlongside:
             return
         command = [sys.executable, "-m", "nanoserve.cli", "serve", "--checkpoint", str(out), "--watch",
                    "--host", self.host, "--port", str(self.port), "--log-level", "warning"]
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=_end_with_the_trainer)
         print(f"\nserving {out} on http://{self.host}:{self.port}/ (the chat page); each improved "
               "checkpoint is reloaded as it is saved", file=sys.stderr, flush=True)
 
