@@ -31,7 +31,7 @@ from nanoserve.server.api.openai.responses_schemas import (
 )
 from nanoserve.server.api.openai.responses_store import ResponseStore
 from nanoserve.server.api.openai.responses_tools import merged_calls, reply_message
-from nanoserve.server.api.openai.routes import DROPPED_HEADER, _fit_window, _served_model
+from nanoserve.server.api.openai.routes import DROPPED_HEADER, fit_window, served_model
 from nanoserve.server.api.openai.tools import ToolUse
 from nanoserve.server.deps import EngineDep, SettingsDep
 from nanoserve.server.http.errors import APIError
@@ -119,7 +119,7 @@ async def _prompt(request: Request, engine: Any, settings: Settings, body: Respo
         raise APIError(422, str(e), code="invalid_message", param="input") from None
     engine.check_admission(client_id(request))  # before the conversation's encodings
     if body.truncation == "auto":
-        return await _fit_window(request, engine, settings, template, messages, prompt, params.max_new_tokens,
+        return await fit_window(request, engine, settings, template, messages, prompt, params.max_new_tokens,
                                  tools)
     ids = await encode(engine, request.app.state.encode_queue, prompt, settings.max_prompt_tokens, "input")
     if len(ids) >= engine.window:  # OpenAI's `truncation: "disabled"`: a 400, never a silent crop
@@ -145,7 +145,7 @@ async def create_response(body: ResponsesRequest, request: Request, response: Re
                                     tool_use.shown_to(template) if tool_use is not None else None)
     headers = {DROPPED_HEADER: str(dropped)} if dropped else {}
     gen = await start_generation(request, engine, prompt, params, param="input")
-    draft = Draft(model=_served_model(engine), request=body)
+    draft = Draft(model=served_model(engine), request=body)
 
     def keep(final: ResponseObject) -> None:
         if body.stored():

@@ -4,7 +4,8 @@ Thin by design: validate the request (nanoserve/server/api/openai/schemas.py), t
 call `Engine.generate`, and translate its token events (nanoserve/server/api/openai/format.py).
 Everything that can be refused is refused before the 200: schema errors (400 naming the field, in
 OpenAI's dialect: nanoserve/server/http/error_dialects.py), server limits, a prompt the tokenizer cannot
-represent, a full queue (429). The `model` field is not matched (`_served_model`).
+represent, a full queue (429). The request's `model` picks the engine (nanoserve/server/deps.py);
+responses name the model that answered (`served_model`).
 """
 
 from __future__ import annotations
@@ -75,10 +76,10 @@ _SSE_DOC: dict[int | str, dict[str, Any]] = {
 COMPLETIONS_MAX_TOKENS = 16
 
 
-def _served_model(engine: Any) -> str:
-    """The model that answers. A request's `model` does not choose it: one model is served, and
-    clients send placeholders (huggingface_hub "dummy" or "tgi", LangChain a configured name), so
-    the field is ignored as TGI and llama.cpp's server ignore it; responses name the served model."""
+def served_model(engine: Any) -> str:
+    """The name of the model that answers, which responses carry. With one model served, a request's
+    `model` may be a placeholder (huggingface_hub "dummy" or "tgi", LangChain a configured name) and
+    is not matched, as TGI and llama.cpp's server do; with several it chose this engine (deps.py)."""
     served: str = engine.checkpoint.name
     return served
 
@@ -121,7 +122,7 @@ def _sse(gen: Generation, render: Render, settings: Settings,
 DROPPED_HEADER = "X-Nanoserve-Dropped-Messages"
 
 
-async def _fit_window(request: Request, engine: Any, settings: Settings, template: Mapping[str, Any],
+async def fit_window(request: Request, engine: Any, settings: Settings, template: Mapping[str, Any],
                       messages: list[dict[str, Any]], prompt: str, max_new: int,
                       tools: list[dict[str, Any]] | None = None) -> tuple[str | list[int], int]:
     """The prompt to generate from (its ids when it is used as rendered) and how many of the
@@ -170,7 +171,7 @@ def _model_card(engine: Any) -> ModelCard:
 async def completions(body: CompletionRequest, request: Request, engine: EngineDep,
                       settings: SettingsDep) -> Response | CompletionResponse:
     """Text completion of a prompt, or of several (one choice each; OpenAI's legacy completions API)."""
-    model = _served_model(engine)
+    model = served_model(engine)
     top_n = body.logprobs or 0
     max_tokens = body.max_tokens if body.max_tokens is not None else min(COMPLETIONS_MAX_TOKENS,
                                                                           settings.max_new_tokens)
@@ -257,7 +258,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
     """The assistant's next message, with the checkpoint's chat template applied. A conversation
     longer than the window loses its oldest turns, never its system messages or its last message
     (the count is in the X-Nanoserve-Dropped-Messages header)."""
-    model = _served_model(engine)
+    model = served_model(engine)
     template = engine.checkpoint.chat_template
     messages = template_messages(body.messages, template)
     tool_use = body.tool_use()
@@ -275,7 +276,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
     if tool_use is not None and (forced := tool_use.grammar()) is not None:
         params = replace(params, grammar=forced, grammar_param="tools")  # the call, not response_format
     engine.check_admission(client_id(request))  # before the conversation's encodings
-    fitted, dropped = await _fit_window(request, engine, settings, template, messages, prompt,
+    fitted, dropped = await fit_window(request, engine, settings, template, messages, prompt,
                                         params.max_new_tokens, tools)
     headers = {DROPPED_HEADER: str(dropped)} if dropped else {}
     gens = await start_choices(request, engine, fitted, params, n, param="messages")
