@@ -9,6 +9,11 @@ static libraries) into a cache outside the repository, ~/.cache/nanoserve-bench/
 (NANOSERVE_BENCH_CACHE moves it), and built again only when a binary is missing: on 2 cores the
 build takes 10 minutes or more. The tree also holds `convert_hf_to_gguf.py` and its `gguf-py`,
 which bench/gguf_convert.py runs on an exported Hugging Face directory.
+
+One line of the tree is patched before building (`patch_tile_config`): with GCC 12 the AMX int8
+kernels of a `-march=native` build on an AMX CPU load an empty tile configuration, and
+llama-server exits with SIGILL on the first q8_0 (or q4) batch. A tree built before the patch is
+patched and rebuilt (only that file and the links) on the next `make llama-cpp`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,19 @@ CMAKE_OPTIONS = (
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_CURL=OFF",
 )
+
+
+# GCC 12's amxtileintrin.h gives ldtilecfg's memory operand as `*(const void **)config`: 8 bytes
+# of the 64-byte configuration. From -O1 on, GCC then drops the stores of the tiles' rows and
+# column widths before the instruction (they look dead), ggml's tile_config_t is loaded with
+# palette 1 and zero-sized tiles, and the first `tilezero` raises #UD: SIGILL (status -4) in
+# tinygemm_kernel_amx<block_q8_0> as soon as a q8_0 model runs a batch of more than one row.
+# An empty asm that takes the config's address and clobbers memory makes every store live.
+# Harmless with compilers whose intrinsic is right (clang, later GCC).
+TILE_CONFIG_FILE = "ggml/src/ggml-cpu/amx/mmq.cpp"
+TILE_CONFIG_LINE = "    _tile_loadconfig(&tc);\n"
+TILE_CONFIG_FIX = ('    __asm__ volatile("" : : "r"(&tc) : "memory");  // nanoserve bench: GCC 12\'s '
+                   "ldtilecfg operand is 8 bytes\n")
 
 
 class LlamaCppBuildError(RuntimeError):
@@ -77,7 +95,9 @@ def locate(version: str = VERSION) -> LlamaCpp:
 def ensure_built(version: str = VERSION, jobs: int = 2, log: bool = True) -> LlamaCpp:
     """The built llama.cpp of `version`, fetching and building it first when a program is missing."""
     lc = locate(version)
-    if lc.built():
+    if lc.convert_script.is_file():
+        patch_tile_config(lc.tree)
+    if lc.built() and not _older_than_patch(lc):
         return lc
     missing = [tool for tool in ("cmake", "make") if shutil.which(tool) is None]
     if not any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++")):
@@ -89,6 +109,7 @@ def ensure_built(version: str = VERSION, jobs: int = 2, log: bool = True) -> Lla
     root = lc.tree.parent
     if not lc.convert_script.is_file():
         _unpack(_fetch_sdist(version), root)
+    patch_tile_config(lc.tree)
     build = root / "build"
     _run(["cmake", "-S", str(lc.tree), "-B", str(build), *CMAKE_OPTIONS], root / "configure.log")
     t0 = time.monotonic()
@@ -102,6 +123,26 @@ def ensure_built(version: str = VERSION, jobs: int = 2, log: bool = True) -> Lla
     if not lc.built():
         raise LlamaCppBuildError(f"the build finished but {lc.server} or {lc.batched_bench} is missing")
     return lc
+
+
+def patch_tile_config(tree: Path) -> bool:
+    """Keeps the stores of ggml's AMX tile configuration (the comment above TILE_CONFIG_FILE says why);
+    True when the tree was changed, False when it was patched before or has no such line."""
+    path = tree / TILE_CONFIG_FILE
+    if not path.is_file():
+        return False
+    text = path.read_text()
+    if TILE_CONFIG_FIX in text or TILE_CONFIG_LINE not in text:
+        return False
+    path.write_text(text.replace(TILE_CONFIG_LINE, TILE_CONFIG_FIX + TILE_CONFIG_LINE, 1))
+    return True
+
+
+def _older_than_patch(lc: LlamaCpp) -> bool:
+    """A build from before the patch (or one that stopped after it) is built again: cmake then
+    compiles the patched file only."""
+    patched = lc.tree / TILE_CONFIG_FILE
+    return patched.is_file() and patched.stat().st_mtime > lc.server.stat().st_mtime
 
 
 def _fetch_sdist(version: str) -> Path:
