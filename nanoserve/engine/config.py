@@ -160,6 +160,18 @@ class EngineConfig:
         None, "CPU threads for the model (default: OMP_NUM_THREADS, else the CPUs the affinity mask "
         "and the cgroup's CPU quota leave the process); the rest of the server stays on one.", ge=1)
     compile: bool = setting(False, "torch.compile the decode step at warm-up.")
+    # CUDA only (ignored on a CPU, as /info says): the torch backend's decode step recorded as CUDA
+    # graphs at start-up, one per batch and attention-span bucket, and replayed each step
+    # (graph_step.py): one launch instead of one per operation.
+    cuda_graphs: bool = setting(
+        True, "On CUDA: decode steps replayed as CUDA graphs captured at start-up (one per batch and "
+        "span bucket); ignored on a CPU.")
+    # CUDA only: the KV cache's slots (max_seqs is then ignored) are as many as fit in this fraction
+    # of the GPU's memory, less what is in use and the weights and the engine's other buffers
+    # (vLLM's --gpu-memory-utilization; memory_plan.fit_slots). None: max_seqs slots.
+    gpu_memory_utilization: float | None = setting(
+        None, "On CUDA: size the KV cache (its slots, in place of max_seqs) to this fraction of the GPU's "
+        "memory, less what is in use and the weights (as vLLM's); default: max_seqs slots.", gt=0, le=1)
     # CPU: run linear layers through oneDNN with weights reordered once (see packed_linear.py),
     # where torch runs the forwards (the native step off or unavailable).
     packed_linear: bool = setting(
