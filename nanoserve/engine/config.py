@@ -108,6 +108,15 @@ class EngineConfig:
     max_waiting_per_client: int | None = setting(
         None, "Waiting requests one client may have; beyond, 429 (default: half of max_queue). A client "
         "is its API key when keys are set, else its address (or client_id_header).", ge=1)
+    # A group (n / best_of, one slot a choice) that does not fit lets smaller requests pass it
+    # (admission.py); past this wait it is passed no more and takes the slots it lacks by
+    # preemption. Streams of a few hundred tokens end within a few seconds on a CPU, so most
+    # groups fit by turnover well within it, and the preemptions (a re-prefill each) are left to
+    # the streams that would hold their slots for minutes.
+    max_group_wait_s: float = setting(
+        10.0, "Seconds a request for several choices (n, best_of) may be passed by smaller requests "
+        "while its slots are taken; then it goes first, and the newest sequences of the clients "
+        "holding the most slots step aside for it.", ge=0)
     # Prompt tokens prefilled per step (chunked prefill). Every decoding stream waits for the
     # step's prompt chunks, so a smaller budget steadies inter-token latency at the cost of the
     # last first token of a wave (256 -> 96 halved the 32-stream inter-token p99: docs/performance.md,

@@ -357,14 +357,7 @@ class Engine:
                 return False
             now = time.perf_counter()
             early = self._waiting.reap(now)
-            self._admit(now)
-            # One client holding every slot while another waits with none: one of its requests
-            # steps aside (at most one a step), so nobody's first token waits for whole streams.
-            victim = self.scheduler.preemption_victim(self._waiting)
-            if victim is not None:
-                self.scheduler.preempt(victim)
-                self._waiting.push_front(victim)
-                self._admit(now)
+            admission.admit(self._waiting, self.scheduler, now, self.config.max_group_wait_s)
         t0 = time.perf_counter()
         try:
             result = self.core.step()
@@ -386,13 +379,6 @@ class Engine:
         busy = bool(self.scheduler.running)  # embeddings get a prefill's share of the time
         self.embeddings.run(self.config.prefill_budget if busy else self.config.idle_prefill_budget)
         return True
-
-    def _admit(self, now: float) -> None:
-        """Admit waiting requests while the next one's group (one slot per choice) fits."""
-        while len(self._waiting):
-            if not self.scheduler.fits(self._waiting.peek_fair(self.scheduler.running)):
-                return  # it keeps its place: smaller requests do not overtake it
-            self.scheduler.admit(self._waiting.pop_fair(self.scheduler.running), now)
 
     def _fail_remaining(self, message: str) -> None:
         self.embeddings.fail_all(message)

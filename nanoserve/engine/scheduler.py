@@ -34,7 +34,6 @@ from nanoserve.engine.step_plan import (
     samples_tokens,
 )
 from nanoserve.engine.types import FinishReason, TokenEvent, TopToken
-from nanoserve.engine.waiting_queue import WaitingQueue
 from nanoserve.engine.work import SampleResult, WorkItem
 from nanoserve.model.tokenizer import Tokenizer
 
@@ -148,21 +147,30 @@ class Scheduler:
             req.prompt_scores.clear()
         self.preemptions += 1
 
-    def preemption_victim(self, waiting: WaitingQueue) -> Request | None:
-        """A running request to preempt so that a waiting client holding no slot gets one: the
-        newest of the client holding the most slots (at least two), when every slot is taken.
-        Requests without a client take no part."""
-        if self.free_slots or not any(c is not None for c in waiting.by_client):
-            return None
-        held = Counter(r.client for r in self.running if r.client is not None)
-        if not any(c is not None and not held[c] for c in waiting.by_client) or not held:
-            return None
-        greedy_client, n = held.most_common(1)[0]
-        if n < 2:
-            return None
-        # Choices of one prompt stay together (a follower may still wait for its leader's cache).
-        return next((r for r in reversed(self.running) if r.client == greedy_client and not _grouped(r)),
-                    None)
+    def victims(self, req: Request, *, aged: bool) -> list[Request] | None:
+        """Running requests whose slots, with the free ones, seat `req`'s group (one slot a
+        choice), or None when not enough may be taken: one at a time from the client holding the
+        most slots, its newest first. Unless `aged` (a group that has waited past
+        max_group_wait_s: whoever holds its slots yields), a client yields only while it keeps a
+        slot (so it never becomes one that waits with none and preempts back), and requests
+        without a client and `req`'s own client never yield. Choices whose leader has not shared
+        its prompt yet never yield (one of them waits to copy it)."""
+        missing = 1 + len(req.followers) - len(self.free_slots)
+        if missing <= 0:
+            return []
+        held = Counter(r.client for r in self.running)
+        yielding = [r for r in self.running if not _grouped(r)
+                    and (aged or (r.client is not None and r.client != req.client))]
+        chosen: list[Request] = []
+        while len(chosen) < missing:
+            # `yielding` is in admission order: max over its reverse takes the newest of the tie.
+            victim = max(reversed(yielding), key=lambda r: held[r.client], default=None)
+            if victim is None or (not aged and held[victim.client] < 2):
+                return None
+            yielding.remove(victim)
+            held[victim.client] -= 1
+            chosen.append(victim)
+        return chosen
 
     def reap(self, now: float) -> list[tuple[Request, TokenEvent]]:
         """End running requests that were cancelled or ran out of time before this step."""

@@ -1,9 +1,9 @@
 """The queue of requests not yet admitted, and who goes next: `WaitingQueue`.
 
-Fair admission between clients (fewest running first, then round robin), preempted requests put
+Fair order between clients (fewest running first, then round robin), preempted requests put
 back at the front, and the reaping of waiting requests that were cancelled or ran out of time,
 including a waiting group whose leader was cancelled (a follower takes its place). The engine
-holds one, under its lock; the scheduler only reads who waits (`preemption_victim`).
+holds one, under its lock; who of it is seated, and when, is admission.py's `admit`.
 """
 
 from __future__ import annotations
@@ -51,18 +51,21 @@ class WaitingQueue:
         self.items.appendleft(req)
         self.by_client[req.client] += 1
 
-    def peek_fair(self, running: list[Request]) -> Request:
-        """The next request to admit (see the class docstring), left in the queue."""
+    def fair_order(self, running: list[Request]) -> list[Request]:
+        """Every waiting request, the next to admit first (see the class docstring)."""
         if len(self.by_client) == 1:
-            return self.items[0]
+            return list(self.items)
         held = Counter(r.client for r in running)
         last = self._last_admitted
-        # min keeps the first (oldest) of equal keys.
-        return min(self.items, key=lambda r: (held[r.client], last.get(r.client, -1)))
+        # sorted is stable: the oldest first among equal keys.
+        return sorted(self.items, key=lambda r: (held[r.client], last.get(r.client, -1)))
 
     def pop_fair(self, running: list[Request]) -> Request:
         """Take the next request to admit (see the class docstring)."""
-        req = self.peek_fair(running)
+        return self.take(self.fair_order(running)[0])
+
+    def take(self, req: Request) -> Request:
+        """Take `req` out to be admitted: its client counts as served now (round robin)."""
         self.items.remove(req)
         self._admissions += 1
         self._last_admitted[req.client] = self._admissions
