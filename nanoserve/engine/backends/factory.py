@@ -10,6 +10,7 @@ from nanoserve.engine.backends.base import Backend
 from nanoserve.engine.backends.native_backend import NativeBackend
 from nanoserve.engine.backends.torch_backend import TorchBackend
 from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.graph_step import cuda_graphs_off
 from nanoserve.engine.kv_slots import SpanKVCache
 from nanoserve.engine.native_step import family_unsupported, unavailable_reason
 from nanoserve.engine.packed_linear import packed_linear_supported
@@ -42,9 +43,11 @@ def choose_backend(model: GPT, config: EngineConfig, window: int, cpu_threads: i
     over them, config.screen_head; 0: the model's whole vocabulary)."""
     check_backend(config)
     cfg = model.config
-    # The cache holds the key/value heads (fewer than the query heads under grouped-query attention).
-    cache = SpanKVCache(cfg.n_layer, config.max_seqs, cfg.kv_heads, window, cfg.head_dim,
-                        config.torch_kv_dtype, model.wte.weight.device)
+    # The cache holds the key/value heads (fewer than the query heads under grouped-query attention),
+    # and under CUDA graphs one slot more, where a padded batch's padding rows write.
+    graphs_off = cuda_graphs_off(config)
+    cache = SpanKVCache(cfg.n_layer, config.max_seqs + (graphs_off is None), cfg.kv_heads, window,
+                        cfg.head_dim, config.torch_kv_dtype, model.wte.weight.device)
     why_not_native = native_unavailable(config) or family_unsupported(cfg)
     if config.backend == "native" and why_not_native:
         raise ValueError(f"backend native cannot run here: {why_not_native}")
@@ -66,4 +69,6 @@ def choose_backend(model: GPT, config: EngineConfig, window: int, cpu_threads: i
     else:
         why = f"the native backend cannot run: {why_not_native}"
     pack = config.packed_linear and packed_linear_supported(model.wte.weight.device, config.torch_dtype)
-    return TorchBackend(model, cache, compile=config.compile, pack=pack, batch_hint=config.max_seqs), why
+    graph_rows = config.max_seqs if graphs_off is None else 0
+    return TorchBackend(model, cache, compile=config.compile, pack=pack, batch_hint=config.max_seqs,
+                        graph_rows=graph_rows, graphs_off=graphs_off or ""), why

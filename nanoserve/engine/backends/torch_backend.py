@@ -1,13 +1,16 @@
 """The torch backend: forwards through torch's kernels on any device (the model's own forward, or
-for one-token rows the straight-line `TorchDecodeStep`), tokens drawn by nanoserve/model/sampling.py."""
+for one-token rows the static-shape `GraphDecodeStep`, replayed as CUDA graphs on a GPU, or the
+straight-line `TorchDecodeStep`), tokens drawn by nanoserve/model/sampling.py."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from nanoserve.engine.backends.base import Backend
+from nanoserve.engine.graph_step import GraphDecodeStep
 from nanoserve.engine.kv_slots import SpanKVCache
 from nanoserve.engine.packed_linear import pack_linears
 from nanoserve.engine.penalties import PenaltyState
@@ -22,7 +25,11 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, model: GPT, cache: SpanKVCache, *, compile: bool = False, pack: bool = False,
-                 batch_hint: int = 1) -> None:
+                 batch_hint: int = 1, graph_rows: int = 0, graphs_off: str = "off") -> None:
+        """graph_rows: decode batches of up to this many rows run as graph_step.py's static step
+        (the cache holds one slot more, for its padding), captured as CUDA graphs on a GPU and
+        eager elsewhere; 0: the straight-line step or the model's forward, `graphs_off` saying why
+        (for /info)."""
         self.cache = cache
         self.device = model.wte.weight.device
         self.vocab = model.config.vocab_size
@@ -38,6 +45,14 @@ class TorchBackend(Backend):
         self.decode_step: TorchDecodeStep | None = TorchDecodeStep(model, cache) if straight else None
         if compile:
             self.model = torch.compile(model, dynamic=True)  # type: ignore[assignment]
+        self.graph_step = GraphDecodeStep(model, cache, graph_rows) if graph_rows else None
+        if self.graph_step is not None and self.device.type == "cuda":
+            self.graph_step.capture()
+        self.graphs_off = None if graph_rows else graphs_off
+
+    def describe(self) -> dict[str, Any]:
+        graphs = self.graph_step.describe() if self.graph_step is not None else self.graphs_off
+        return {**super().describe(), "cuda_graphs": graphs}
 
     def kernels(self) -> str:
         how = "compiled" if self.compiled else "oneDNN packed" if self.packed_linears else "eager"
@@ -49,6 +64,9 @@ class TorchBackend(Backend):
             return self._forward_mixed(items, scoring)
         t = len(items[0].tokens)
         slot_list = [item.req.slot for item in items]
+        if t == 1 and self.graph_step is not None and not any(scoring):
+            tokens = [item.tokens[0] for item in items]
+            return self.graph_step(tokens, [item.start for item in items], slot_list)
         idx = torch.tensor([item.tokens for item in items], dtype=torch.long, device=self.device)
         start = torch.tensor([item.start for item in items], dtype=torch.long, device=self.device)
         pos = start.view(-1, 1) + torch.arange(t, device=self.device).view(1, -1)  # (G, T)
