@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -12,7 +11,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from nanoserve.engine.types import SamplingParams, TokenEvent, TopToken
-from nanoserve.model.tokenizer import Tokenizer
 from nanoserve.server.api.common import error_responses
 from nanoserve.server.api.docs import sse_response_doc
 from nanoserve.server.api.openai.schemas import MAX_PROMPTS
@@ -32,6 +30,7 @@ from nanoserve.server.api.tgi.schemas import (
     Token,
     TokenizeRequest,
 )
+from nanoserve.server.api.tgi.tokenize import spans_json
 from nanoserve.server.deps import EngineDep, SettingsDep, server_version
 from nanoserve.server.http.error_dialects import tgi_error_body
 from nanoserve.server.http.errors import APIError
@@ -315,32 +314,12 @@ async def tokenize(request: Request, engine: EngineDep, settings: SettingsDep,
         ids = engine.encode(text)
         if len(ids) > limit:
             raise prompt_too_long(len(ids), limit, "inputs")
-        out = token_spans(engine.tokenizer, text, ids)
-        if truncate is not None:
-            out = out[max(0, len(out) - truncate):]
-        return json.dumps(out, ensure_ascii=False).encode()
+        return spans_json(engine.tokenizer, text, ids, truncate)
 
     # Encoding, spans and JSON all off the event loop for a long text, bounded like any prompt's
-    # encoding (nanoserve/server/streaming/encoding.py); plain dicts, not a pydantic model a token.
+    # encoding (nanoserve/server/streaming/encoding.py).
     body_bytes = await encode_off_loop(engine, request.app.state.encode_queue, text, spans, "inputs")
     return Response(body_bytes, media_type="application/json")
-
-
-def token_spans(tokenizer: Tokenizer, text: str, ids: list[int]) -> list[dict[str, Any]]:
-    """SimpleToken's fields for each token of `text`."""
-    out: list[dict[str, Any]] = []
-    cursor = 0
-    for token_id in ids:
-        piece = tokenizer.id_to_piece(token_id)
-        # Pieces appear verbatim in the input for char/word/byte-level BPE tokens; a piece that is
-        # part of a multi-byte character does not, and gets an empty span at the cursor.
-        start = text.find(piece, cursor) if piece else -1
-        if start < 0:
-            start = stop = cursor
-        else:
-            stop = cursor = start + len(piece)
-        out.append({"id": token_id, "text": piece, "start": start, "stop": stop})
-    return out
 
 
 @router.get("/info", response_model=Info, responses=error_responses(401, 503, model=TGIErrorResponse))
