@@ -31,6 +31,7 @@ from nanoserve.engine.grammar_pool import GrammarPool
 from nanoserve.engine.ids import new_id, new_seed
 from nanoserve.engine.inbox import Inbox
 from nanoserve.engine.memory_plan import check_memory
+from nanoserve.engine.prompt_scores import ScoringCost
 from nanoserve.engine.request import Request
 from nanoserve.engine.runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler, StepResult
@@ -100,8 +101,9 @@ class Engine:
             self.backend, checkpoint.config.vocab_size, usable_vocab=self.tokenizer.vocab_size,
             deterministic=config.deterministic, cpu_threads=cpu_threads,
         )
+        scoring = ScoringCost.of(self.model.h, checkpoint.config.n_embd, checkpoint.config.vocab_size)
         self.scheduler = Scheduler(self.tokenizer, config, self.window,
-                                   batch_invariant=self.backend.batch_invariant)
+                                   batch_invariant=self.backend.batch_invariant, scoring=scoring)
         self.core = EngineCore(self.scheduler, self.runner)
         self._waiting = WaitingQueue()
         self._cond = threading.Condition()

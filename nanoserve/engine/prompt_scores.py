@@ -5,6 +5,10 @@ chunk of a request that asks, the backend returns every position's logits instea
 only (work.logit_rows), and `reduce_rows` turns them at once, on the engine thread, into each
 token's logprob and its N most likely alternatives. A request so holds O(prompt x N) numbers,
 never O(prompt x vocabulary), and no second forward runs.
+
+A scored row costs more than a plain prompt row: the output layer over the whole vocabulary, which
+a plain row skips. `ScoringCost` says how much more, so the scheduler charges a scored chunk its
+real share of a step's prefill budget, and bounds the rows of logits a step's scored chunks hold.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from nanoserve.engine.types import Prompt, PromptToken, TopToken
 from nanoserve.model.tokenizer import Tokenizer
@@ -36,6 +41,35 @@ class PromptScores:
 
     def clear(self) -> None:
         self.logprobs, self.top_ids, self.top_logprobs = [], [], []
+
+
+# Scored rows' logits (rows x vocabulary floats) one step may hold: 16 MiB in float32, and as much
+# again for their log-softmax (reduce_rows). 83 rows at GPT-2's vocabulary, thousands at a char one.
+SCORED_LOGITS = 1 << 22
+
+
+@dataclass(frozen=True)
+class ScoringCost:
+    """What a prompt row that is scored costs next to a plain one, from the model's shapes."""
+
+    weight: float = 1.0  # prefill budget one scored row takes (a plain row takes 1)
+    max_rows: int = SCORED_LOGITS  # scored rows one step may hold the logits of
+
+    @classmethod
+    def of(cls, blocks: nn.Module, n_embd: int, vocab: int) -> ScoringCost:
+        """A plain prompt row multiplies each weight of the transformer `blocks` once (their
+        matrices' elements are its multiply-adds; attention over the context adds some, left out:
+        the weight errs high); a scored row adds the output layer's vocab x n_embd and the
+        log-softmax and top-k over its vocab logits, a few operations each (left out too)."""
+        per_row = sum(p.numel() for p in blocks.parameters() if p.dim() == 2)
+        return cls(weight=1.0 + vocab * n_embd / max(1, per_row), max_rows=max(1, SCORED_LOGITS // vocab))
+
+    def rows(self, budget: int) -> int:
+        """Scored rows one chunk takes: what `budget` plain rows cost, within max_rows."""
+        return max(1, min(int(budget / self.weight), self.max_rows))
+
+    def cost(self, rows: int) -> int:
+        return math.ceil(rows * self.weight)
 
 
 def reduce_rows(logits: torch.Tensor, next_ids: list[int], top_n: int, usable_vocab: int) -> PromptScores:

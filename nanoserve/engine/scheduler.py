@@ -1,11 +1,12 @@
 """Iteration-level (continuous) batching: what runs in each step.
 
-Waiting requests are admitted into free KV slots; each step, `schedule()` plans work for every
-running sequence (the next prompt chunk within the prefill budget, or one decode token) as a
-`StepPlan` of plain data, the engine core (core.py) executes it on the runner, and
-`update_from_output()` turns each sampled token into an event. Requests that finish, fail or are
-cancelled give back their slot in the same step. Nothing here touches tensors: what admission
-and prompt sharing do to the KV slots is recorded as slot operations the next plan carries.
+Waiting requests are admitted into free KV slots (admission.py decides which); each step,
+`schedule()` plans work for every running sequence (the next prompt chunk within the prefill
+budget, or one decode token) as a `StepPlan` of plain data, the engine core (core.py) executes
+it on the runner, and `update_from_output()` turns each sampled token into an event. Requests
+that finish, fail or are cancelled give back their slot in the same step. Nothing here touches
+tensors: what admission and prompt sharing do to the KV slots is recorded as slot operations the
+next plan carries.
 
 Context cropping lives here too. Positions are learned embeddings, so a sequence that outgrows
 the window must be recomputed from a cropped context:
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.prefix_cache import PrefixCache, tenant_of
+from nanoserve.engine.prompt_scores import ScoringCost
 from nanoserve.engine.request import Request
 from nanoserve.engine.step_plan import (
     CopyPrefix,
@@ -54,8 +56,9 @@ class Scheduler:
     """Owned by the engine thread; nothing here is thread-safe."""
 
     def __init__(self, tokenizer: Tokenizer, config: EngineConfig, window: int, *,
-                 batch_invariant: bool) -> None:
-        """`batch_invariant`: the backend computes a row the same whatever else its forward holds."""
+                 batch_invariant: bool, scoring: ScoringCost | None = None) -> None:
+        """`batch_invariant`: the backend computes a row the same whatever else its forward holds;
+        `scoring`: what a row that scores its prompt costs (default: as a plain row, unbounded)."""
         self.tokenizer = tokenizer
         self.config = config
         self.window = window
@@ -74,6 +77,9 @@ class Scheduler:
         reuse = config.prefix_cache and (not config.deterministic or batch_invariant)
         self.prefix = PrefixCache(enabled=reuse, shared=config.prefix_cache_shared)
         self._slot_ops: list[SlotOp] = []  # for the next plan, in order
+        self.scoring = scoring or ScoringCost()
+        self._turns = 0  # prompt chunks planned so far
+        self._prefill_turn: dict[str | None, int] = {}  # client -> its last chunk's turn, while prefilling
 
     def fits(self, req: Request) -> bool:
         """Whether `req` and its followers (one slot per choice) can all be admitted now."""
@@ -197,33 +203,48 @@ class Scheduler:
         result.events.append((req, event))
 
     def plan(self) -> list[WorkItem]:
-        """Decode rows (one pending token) always run; prompt chunks run FIFO within the budget.
+        """Decode rows (one pending token) always run; prompt chunks run within the budget, the
+        clients whose prompts were served longest ago first (round robin, then admission order),
+        so one client's long prompts do not hold another's first chunk for all of theirs.
 
         A chunk is min(pending, prefill_budget) whatever else runs, so a request is cut into the
-        same chunks alone or batched (the first chunk of a step always fits the budget). When no
-        row decodes, or prompts outnumber decoding rows by waiting_served_ratio, the step's budget
-        is the larger idle one: a burst of prompts is prefilled in one forward instead of a few,
-        and at most a few streams' next tokens wait for it.
+        same chunks alone or batched (the first chunk of a step always runs). A chunk that scores
+        its prompt is charged what its rows cost (prompt_scores.ScoringCost: the output layer
+        over the vocabulary, a plain row skips it), so it takes fewer rows, and a step's scored
+        rows hold at most max_rows rows of logits. When no row decodes, or prompts outnumber
+        decoding rows by waiting_served_ratio, the step's budget is the larger idle one: a burst
+        of prompts is prefilled in one forward instead of a few, and at most a few streams' next
+        tokens wait for it.
         """
-        items: list[WorkItem] = []
         # A follower waits for its leader's prefill (share_prefill): it plans nothing.
         leaders = [req for req in self.running if req.leader is None]
-        decoding = sum(req.pending == 1 for req in leaders)
+        prompts = [req for req in leaders if req.pending > 1]
         budget = self.config.prefill_budget
-        if len(leaders) - decoding >= self.config.waiting_served_ratio * decoding:
-            budget = max(budget, self.config.idle_prefill_budget)  # the first chunk always fits
-        for req in leaders:
-            pending = req.pending
-            if pending == 1:
-                items.append(WorkItem(req, req.ctx[-1:], req.n_cached, completes=True))
+        if len(prompts) >= self.config.waiting_served_ratio * (len(leaders) - len(prompts)):
+            budget = max(budget, self.config.idle_prefill_budget)
+        self._prefill_turn = {r.client: self._prefill_turn.get(r.client, -1) for r in prompts}
+        chunks: dict[int, WorkItem] = {}
+        scored_room = self.scoring.max_rows
+        for req in sorted(prompts, key=lambda r: self._prefill_turn[r.client]):  # stable: oldest first
+            scoring = req.prompt_rows_to_score(req.n_cached, req.pending) > 0
+            limit = self.scoring.rows(self.config.prefill_budget) if scoring else self.config.prefill_budget
+            chunk = min(req.pending, limit)
+            cost = self.scoring.cost(chunk) if scoring else chunk
+            if chunks and (cost > budget or (scoring and chunk > scored_room)):
                 continue
-            chunk = min(pending, self.config.prefill_budget)
-            if chunk > budget:
-                continue
-            budget -= chunk
+            budget -= cost
+            scored_room -= chunk if scoring else 0
+            self._turns += 1
+            self._prefill_turn[req.client] = self._turns
             tokens = req.ctx[req.n_cached : req.n_cached + chunk]
-            items.append(WorkItem(req, tokens, req.n_cached, completes=chunk == pending,
-                                  scores=req.prompt_rows_to_score(req.n_cached, chunk)))
+            chunks[id(req)] = WorkItem(req, tokens, req.n_cached, completes=chunk == req.pending,
+                                       scores=req.prompt_rows_to_score(req.n_cached, chunk))
+        items = []
+        for req in leaders:  # in admission order, as they run
+            if req.pending == 1:
+                items.append(WorkItem(req, req.ctx[-1:], req.n_cached, completes=True))
+            elif id(req) in chunks:
+                items.append(chunks[id(req)])
         return items
 
     def schedule(self, now: float) -> StepPlan:

@@ -9,12 +9,14 @@ import torch
 
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.inbox import Inbox
-from nanoserve.engine.prompt_scores import PromptScores, prompt_of
+from nanoserve.engine.prompt_scores import PromptScores, ScoringCost, prompt_of
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.types import FinishReason, InvalidRequest, Prompt, SamplingParams, TokenEvent
 from nanoserve.engine.work import WorkItem
 from nanoserve.model.checkpoint import Checkpoint
+from nanoserve.model.config import GPTConfig
+from nanoserve.model.gpt import GPT
 from tests.engine.conftest import EngineFactory, collect, token_ids
 
 # 24 characters: longer than the prefill chunk the tests set (5), within the lively window (32).
@@ -198,3 +200,62 @@ async def test_non_finite_prompt_logits_fail_that_request_alone(make_engine: Eng
     assert poisoned[-1].finish_reason is FinishReason.ERROR and "non-finite" in (poisoned[-1].error or "")
     assert fine[-1].finish_reason is FinishReason.LENGTH and len(token_ids(fine)) == 2
     assert all(t.logprob is not None for t in first_prompt(fine).tokens[1:])
+
+
+def test_a_scored_row_is_charged_its_output_layer() -> None:
+    # GPT-2's block holds 12 x n_embd^2 weights (attention 4, MLP 8): a plain row multiplies each
+    # once, a scored row adds the output layer's vocab x n_embd. 124M: 1 + 50257 / (12 x 12 x 768).
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=50257, block_size=8, n_layer=12, n_head=12, n_embd=768, bias=False))
+    cost = ScoringCost.of(model.h, 768, 50257)
+    assert cost.weight == pytest.approx(1 + 50257 / (12 * 12 * 768))  # 1.454
+    assert cost.rows(96) == 66 and cost.cost(66) == 96  # a 96-token budget scores 66 rows
+    assert cost.max_rows == (1 << 22) // 50257 == 83  # 16 MiB of float32 logits
+    assert ScoringCost(weight=200.0).rows(96) == 1  # never less than one row
+
+
+def _planned(lively: Checkpoint, prompts: list[tuple[str | None, bool]], steps: int, **config: int,
+             ) -> list[list[tuple[int, int]]]:
+    """Plan `steps` steps (each as if run) for requests (client, scores its prompt) admitted in
+    order, scored rows costing 4 plain ones and at most 6 a step: (request index, rows) each step."""
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler = Scheduler(lively.tokenizer, EngineConfig(max_seqs=4, **config), window=32,
+                              batch_invariant=True, scoring=ScoringCost(weight=4.0, max_rows=6))
+        reqs = []
+        for client, scored in prompts:
+            params = SamplingParams(max_new_tokens=1, echo=scored, prompt_logprobs=0 if scored else None)
+            req = _request(lively, PROMPT, params, loop)
+            req.client = client
+            scheduler.admit(req, 0.0)
+            reqs.append(req)
+        out = []
+        for _ in range(steps):
+            items = scheduler.plan()
+            out.append([(reqs.index(item.req), len(item.tokens)) for item in items])
+            for item in items:  # as update_from_output records a chunk
+                item.req.n_cached += len(item.tokens)
+                item.req.prompt_scores.extend(PromptScores([0.0] * item.scores, [[]] * item.scores,
+                                                           [[]] * item.scores))
+        return out
+    finally:
+        loop.close()
+
+
+def test_scored_chunks_take_the_rows_their_cost_allows(lively: Checkpoint) -> None:
+    # A budget of 8 plain rows: a plain chunk of 8, a scored one of 2 (2 x 4 = 8); both run
+    # within the idle budget of 16 (nothing decodes).
+    plan = _planned(lively, [(None, True), (None, False)], 1, prefill_budget=8, idle_prefill_budget=16)
+    assert plan == [[(0, 2), (1, 8)]]
+    plan = _planned(lively, [(None, True)] * 4, 1, prefill_budget=24, idle_prefill_budget=1000)
+    # 6 rows (24 / 4) a chunk: the first fills the step's 6 scored rows (the logits a step may
+    # hold), the others wait however much budget is left.
+    assert plan == [[(0, 6)]]
+
+
+def test_prompt_chunks_go_round_robin_between_clients(lively: Checkpoint) -> None:
+    # One chunk a step (the idle budget is the normal one): client a's two prompts, admitted
+    # first, do not hold b's first chunk for all of theirs (FIFO served a, a, a, a, a, ... b).
+    plan = _planned(lively, [("a", False), ("a", False), ("b", False)], 4, prefill_budget=5,
+                    idle_prefill_budget=5)
+    assert [step[0][0] for step in plan] == [0, 2, 0, 2]
