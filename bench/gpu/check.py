@@ -5,9 +5,10 @@
 Steps, in order (each writes its JSON; the driver gathers them):
   probe      the device, its software, measured copy bandwidth (bench/gpu/probe.py)
   tests      the engine suites on the torch backend on the device (the "torch-cuda" parameter of
-             tests/engine) and the CUDA device-index check of tests/reliability
+             tests/engine, CUDA graphs on, the graphs' own capture and replay tests among them)
+             and the CUDA device-index check of tests/reliability
   stream     greedy streams through a real uvicorn on the device against the reference
-  engine     this engine at batch 1 and 64 (bench/gpu/peers.py)
+  engine     this engine at batch 1 and 64 (bench/gpu/peers.py), with CUDA graphs and without
   hf         Hugging Face generate, dynamic cache, same shapes
   serving    HTTP against in-process at 1 and 64 streams (bench/gpu/http_vs_inprocess.py)
   engine-135M, hf-135M   the engine and generate at the SmolLM2-135M shape (the Llama family)

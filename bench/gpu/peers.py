@@ -9,7 +9,9 @@ prefill. `hf` is `generate` with its dynamic KV cache; `hf-static` with its stat
 (`cache_implementation="static"`), which on a GPU also compiles the decode step and replays it
 as CUDA graphs: its warm-up runs the timed shape twice, so compiling and capturing stay out of
 the time. The engine runs through the torch backend, the one a GPU runs; its decode-step median
-comes from the engine's own step timer (bench/peer_runs.py).
+comes from the engine's own step timer (bench/peer_runs.py). It runs with its decode step replayed
+as CUDA graphs (the default), then once more at each batch without them (`runs_no_graphs`), so the
+graphs' gain is a ratio within one run.
 Each peer runs in a process of its own (bench/gpu/check.py starts them): one peer's compile, CUDA
 graphs or allocator cache never touches another's time, and a peer that hangs is stopped alone.
 """
@@ -33,15 +35,16 @@ PEERS = ("engine", "hf", "hf-static")
 
 
 def engine_runs(ckpt: Checkpoint, device: str, batches: list[int], prompts: list[list[int]], new: int,
-                repeats: int) -> list[dict[str, Any]]:
+                repeats: int, graphs: bool = True) -> list[dict[str, Any]]:
     out = []
+    cfg = {"device": device, "backend": "torch", "cuda_graphs": graphs}
     for batch in batches:
-        runs = [bench_engine(ckpt, batch, prompts, new, {"device": device, "backend": "torch"})
-                for _ in range(repeats)]
+        runs = [bench_engine(ckpt, batch, prompts, new, cfg) for _ in range(repeats)]
         best = max(runs, key=lambda r: r.tps)
         out.append({"batch": batch, "tokens_per_s": best.tps, "decode_step_ms": best.step_ms,
                     "seconds": [r.seconds for r in runs]})
-        print(f"engine batch {batch}: {best.tps:.1f} tok/s, decode step {best.step_ms:.3f} ms", flush=True)
+        print(f"engine batch {batch}{'' if graphs else ' without CUDA graphs'}: {best.tps:.1f} tok/s, "
+              f"decode step {best.step_ms:.3f} ms", flush=True)
     return out
 
 
@@ -100,14 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     ckpt = make_checkpoint(args.shape, args.dtype)
     prompts = prompts_for(ckpt, max(batches), args.prompt_tokens)
+    extra: dict[str, Any] = {}
     if args.peer == "engine":
         runs = engine_runs(ckpt, args.device, batches, prompts, args.new_tokens, args.repeats)
+        extra["runs_no_graphs"] = engine_runs(ckpt, args.device, batches, prompts, args.new_tokens, 1,
+                                              graphs=False)
     else:
         runs = hf_runs(ckpt, args.device, batches, prompts, args.new_tokens, args.repeats,
                        static=args.peer == "hf-static")
     result = {"peer": args.peer, "device": args.device, "shape": args.shape, "dtype": args.dtype,
               "weight_bytes": model_costs(ckpt.config, DTYPES[args.dtype])[0],
-              "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "runs": runs}
+              "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "runs": runs, **extra}
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

@@ -38,9 +38,16 @@ def _steps(payload: dict[str, Any]) -> str:
     return "| step | status | seconds | note |\n|---|---|---|---|\n" + "\n".join(rows) + "\n"
 
 
-def _cell(peer: dict[str, Any], batch: int, key: str, spec: str = ".0f") -> str:
-    run = next((r for r in peer.get("runs", []) if r["batch"] == batch), None)
+def _cell(peer: dict[str, Any], batch: int, key: str, spec: str = ".0f", runs: str = "runs") -> str:
+    run = next((r for r in peer.get(runs, []) if r["batch"] == batch), None)
     return _fmt(run[key] if run else None, spec)
+
+
+def _graphs_gain(engine: dict[str, Any], batch: int) -> str:
+    """The engine's tokens/s with CUDA graphs over without, at `batch` (the same step measures both)."""
+    on = next((r for r in engine.get("runs", []) if r["batch"] == batch), None)
+    off = next((r for r in engine.get("runs_no_graphs", []) if r["batch"] == batch), None)
+    return _fmt(on["tokens_per_s"] / off["tokens_per_s"] if on and off else None, ".2f")
 
 
 def _engine(payload: dict[str, Any]) -> str:
@@ -51,12 +58,15 @@ def _engine(payload: dict[str, Any]) -> str:
                               for peer in ("engine", "hf", "hf-static"))
         for b in sorted({r["batch"] for peer in (engine, hf, static) for r in peer.get("runs", [])}):
             rows.append(f"| {shape} | {b} | {_cell(engine, b, 'tokens_per_s')} | "
-                        f"{_cell(engine, b, 'decode_step_ms', '.2f')} | {_cell(hf, b, 'tokens_per_s')} | "
+                        f"{_cell(engine, b, 'decode_step_ms', '.2f')} | "
+                        f"{_cell(engine, b, 'decode_step_ms', '.2f', 'runs_no_graphs')} | "
+                        f"{_graphs_gain(engine, b)} | {_cell(hf, b, 'tokens_per_s')} | "
                         f"{_cell(static, b, 'tokens_per_s')} |")
     if not rows:
         return ""
-    head = ("| shape | batch | engine tok/s | engine decode step ms | HF generate tok/s "
-            "| HF generate, static cache tok/s |\n|---|---|---|---|---|---|\n")
+    head = ("| shape | batch | engine tok/s | engine decode step ms | without CUDA graphs, step ms "
+            "| graphs on / off, tok/s | HF generate tok/s | HF generate, static cache tok/s |\n"
+            "|---|---|---|---|---|---|---|---|\n")
     return head + "\n".join(rows) + "\n"
 
 

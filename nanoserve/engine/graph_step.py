@@ -41,7 +41,10 @@ from nanoserve.model.gpt import GPT, Block, apply_rope, rope_tables
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 32)
 LARGE_STEP = 32
 # Attention's work is proportional to the span read: a row 150 tokens long reads 256 positions,
-# not the whole window. Powers of two from here up to the window.
+# not the whole window. Powers of two from here up to the window. At 144 tokens (16 + 128) the
+# whole window read 4x the keys and values at 124M (1024 positions) and 32x at 135M (8192): the
+# step took 1.75x as long at 124M batch 1, 7.5x at batch 16 and 5.1x at 135M batch 1, eager in
+# float32 on a CPU (bench/gpu/span_cost.py). The cost of buckets: a graph per span bucket.
 MIN_SPAN = 64
 
 
@@ -191,8 +194,6 @@ class GraphDecodeStep:
         no real slot's cache."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device.type}")
-        self.inputs.zero_()
-        self.inputs.view(3, -1)[2].fill_(self.scratch)
         pairs = sorted(((b, s) for b in self.batches for s in self.spans), reverse=True)
         # cuBLAS and the caching allocator set themselves up on first use: once per shape on a
         # side stream before capture, as torch.cuda.graphs' docs ask.
@@ -200,17 +201,26 @@ class GraphDecodeStep:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for b, s in pairs:
+                self._at_scratch(b)
                 self.compute(b, s)
         torch.cuda.current_stream(self.device).wait_stream(side)
         # Largest first: the smaller graphs reuse the pool's blocks the larger ones freed.
         pool = torch.cuda.graph_pool_handle()
         for b, s in pairs:
+            self._at_scratch(b)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: another engine's thread may run its steps meanwhile (several models).
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.compute(b, s)
             self.graphs[(b, s)] = graph
         torch.cuda.synchronize(self.device)
         return len(self.graphs)
+
+    def _at_scratch(self, b: int) -> None:
+        """Bucket b's inputs: token 0 at position 0 of the scratch slot, in every row."""
+        rows = self.inputs[: 3 * b].view(3, b)
+        rows[:2].zero_()
+        rows[2].fill_(self.scratch)
 
     def describe(self) -> str:
         how = f"{len(self.graphs)} CUDA graphs" if self.graphs else "eager"

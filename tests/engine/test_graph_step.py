@@ -5,6 +5,7 @@ captured graphs replaying the eager step."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,9 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
+from nanoserve.engine.backends.factory import choose_backend
 from nanoserve.engine.backends.torch_backend import TorchBackend
+from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.graph_step import GraphDecodeStep, batch_buckets, bucket_for, span_buckets
 from nanoserve.engine.kv_slots import SpanKVCache
 from nanoserve.engine.work import WorkItem
@@ -57,12 +60,14 @@ def new_cache(model: GPT) -> SpanKVCache:
 
 @torch.no_grad()
 def prefill(model: GPT, caches: list[SpanKVCache], lengths: list[int], gen: torch.Generator) -> None:
-    """Random prompts of `lengths` into slots 0.. of every cache."""
+    """Random prompts of `lengths` into slots 0.. of every cache (on the model's device)."""
+    dev = model.wte.weight.device
     for slot, n in enumerate(lengths):
-        prompt = torch.randint(0, model.config.vocab_size, (1, n), generator=gen)
+        prompt = torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to(dev)
         for cache in caches:
             cache.prepare([slot], [n])
-            model(prompt, input_pos=torch.arange(n).view(1, -1), cache=cache, slots=torch.tensor([slot]))
+            model(prompt, input_pos=torch.arange(n, device=dev).view(1, -1), cache=cache,
+                  slots=torch.tensor([slot], device=dev))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -152,20 +157,38 @@ def test_a_cache_without_a_scratch_slot_is_refused() -> None:
         GraphDecodeStep(model, new_cache(model), MAX_ROWS + 1)
 
 
+def test_the_factory_turns_the_step_on_for_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny("llama gqa")
+    config = EngineConfig(device="cpu", backend="torch", max_seqs=5, packed_linear=False)
+    backend, _ = choose_backend(model, config, WINDOW, 1)
+    assert backend.cache.slots == 5 and backend.describe()["cuda_graphs"] == "ignored: not a CUDA device"
+    off, _ = choose_backend(model, replace(config, cuda_graphs=False), WINDOW, 1)
+    assert off.describe()["cuda_graphs"] == "off (cuda_graphs false)"
+    # As on a GPU (the model stays on the CPU, so nothing is captured and the step runs eagerly):
+    # the cache gains the padding slot and decode rows take the static step.
+    monkeypatch.setattr(EngineConfig, "resolved_device", lambda self: "cuda")
+    backend, _ = choose_backend(model, config, WINDOW, 1)
+    assert isinstance(backend, TorchBackend) and backend.graph_step is not None
+    assert backend.cache.slots == 6 and backend.graph_step.batches == [1, 2, 4, 5]
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                           reason="CUDA graphs need a CUDA device (the GPU check runs these)")
 
 
 @cuda
+@pytest.mark.backends("torch-cuda")  # the GPU check's filter selects it by that parameter
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @torch.no_grad()
-def test_captured_graphs_replay_the_eager_step_without_a_sync(family: str) -> None:
+def test_captured_graphs_replay_the_eager_step_without_a_sync(family: str, backend: str) -> None:
     model = tiny(family).cuda()
     cfg = model.config
     caches = [SpanKVCache(cfg.n_layer, MAX_ROWS + 1, cfg.kv_heads, WINDOW, cfg.head_dim,
                           torch.float32, "cuda") for _ in range(2)]
     eager, graphed = GraphDecodeStep(model, caches[0], MAX_ROWS), GraphDecodeStep(model, caches[1], MAX_ROWS)
     assert graphed.capture() == len(graphed.batches) * len(graphed.spans)
+    for layer in caches[1].layers:  # capturing wrote the scratch slot alone
+        assert layer.k[:MAX_ROWS].abs().sum().item() == 0 and layer.k[MAX_ROWS].abs().sum().item() > 0
     gen = torch.Generator().manual_seed(0)
     lengths = [50, 40, 62, 3, 20, 61]
     prefill(model, caches, lengths, gen)

@@ -55,7 +55,9 @@ class TorchBackend(Backend):
         return {**super().describe(), "cuda_graphs": graphs}
 
     def kernels(self) -> str:
-        how = "compiled" if self.compiled else "oneDNN packed" if self.packed_linears else "eager"
+        graphs = self.graph_step is not None and self.graph_step.graphs
+        how = ("compiled" if self.compiled else "CUDA graphs" if graphs
+               else "oneDNN packed" if self.packed_linears else "eager")
         return f"torch {self.device.type} ({how})"
 
     def forward(self, items: Sequence[WorkItem]) -> torch.Tensor:
