@@ -139,7 +139,7 @@ class GraphDecodeStep:
         if self.host is not self.inputs:
             self.inputs[: 3 * b].copy_(self.host[: 3 * b], non_blocking=True)  # the step's one copy in
             self.copied = torch.cuda.Event()
-            self.copied.record()
+            self.copied.record(torch.cuda.current_stream(self.device))
         graph = self.graphs.get((b, s))
         if graph is not None:
             graph.replay()
@@ -194,6 +194,10 @@ class GraphDecodeStep:
         no real slot's cache."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device.type}")
+        with torch.cuda.device(self.device):  # graphs capture on the current device: the model's
+            return self._capture()
+
+    def _capture(self) -> int:
         pairs = sorted(((b, s) for b in self.batches for s in self.spans), reverse=True)
         # cuBLAS and the caching allocator set themselves up on first use: once per shape on a
         # side stream before capture, as torch.cuda.graphs' docs ask.
