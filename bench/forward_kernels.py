@@ -15,7 +15,9 @@ with float32 or bfloat16 weights and KV cache, decode rows at --positions
 (bench/results/decode-step-dtypes-*.md); where a
 bf16 model runs on a tile level (AVX512-BF16 or AMX), also on the widening kernels. With --tiles: a
 bf16 model's decode rows and prompt chunks on each tile level the CPU runs and on the widening
-kernels (bench/results/decode-step-tiles-*.md). Not a test: nothing here asserts a speed.
+kernels (bench/results/decode-step-tiles-*.md); with --tiles --int8: the same model with int8
+weights on AMX-INT8 and on AVX512-VNNI (the same bits; bench/results/decode-step-int8-tiles-*.md).
+Not a test: nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -167,9 +169,11 @@ def bench_dtypes(
 
 
 @torch.inference_mode()
-def bench_tiles(shape: str, rows_list: list[int], prefills: list[int], steps: int, rounds: int) -> list[str]:
+def bench_tiles(shape: str, rows_list: list[int], prefills: list[int], steps: int, rounds: int,
+                int8: bool = False) -> list[str]:
     """A bfloat16 model's step on each tile level this CPU runs (AMX, AVX512-BF16) and on the
-    widening AVX-512 kernels: decode rows at POSITION and prompt chunks from position 0, by size."""
+    widening AVX-512 kernels: decode rows at POSITION and prompt chunks from position 0, by size.
+    `int8`: its linear layers in int8, on AMX-INT8 and on VNNI (the avx512 level)."""
     cfg = SHAPES[shape]
     torch.manual_seed(0)
     model = GPT(cfg).eval().to(torch.bfloat16)
@@ -179,15 +183,17 @@ def bench_tiles(shape: str, rows_list: list[int], prefills: list[int], steps: in
         for buf in (layer.k, layer.v):
             assert isinstance(buf, torch.Tensor)
             buf.normal_()
-    native = NativeStep(model, cache, max_threads=torch.get_num_threads(), max_rows=max([*prefills, slots]))
+    native = NativeStep(model, cache, max_threads=torch.get_num_threads(), max_rows=max([*prefills, slots]),
+                        quantize="int8" if int8 else "none")
     levels: list[str] = [lv for lv in ("amx", "avx512bf16", "avx512") if native.use_isa(lv) == lv]
+    base_level = "avx512" if int8 else "avx512bf16"
     lines = []
     work = [(f"decode, {r} rows", [1] * r, [POSITION] * r, list(range(r))) for r in rows_list]
     work += [(f"prefill, {n} tokens", [1] * n, list(range(n)), [0] * n) for n in prefills]
     for what, toks, pos, slot in work:
         fns = {lv: _at_level(native, lv, partial(native, toks, pos, slot)) for lv in levels}
         best = best_median_s(fns, steps, rounds)
-        base = best.get("avx512bf16")
+        base = best.get(base_level)
         for lv, t in best.items():
             ratio = f"{base / t:.2f}" if base else "-"
             lines.append(f"| {shape} | {what} | {lv} | {t * 1e3:.2f} | {ratio} |")
@@ -210,9 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--positions", default="40,200", help="with --dtypes: decode positions")
     ap.add_argument("--tiles", action="store_true",
                     help="instead: a bf16 model's step on each tile level (AMX, AVX512-BF16) and AVX-512")
+    ap.add_argument("--int8", action="store_true", help="with --tiles: int8 weights, AMX-INT8 against VNNI")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.tiles:
+    if args.tiles and args.int8:
+        what = (f"A model with int8 weights (bf16 embeddings and KV cache) on AMX-INT8 (amx) and VNNI "
+                f"(avx512); decode rows at position {POSITION}")
+        columns = ["| model | forward | level | ms | speed vs avx512 (VNNI) |", "|---|---|---|---|---|"]
+    elif args.tiles:
         what = f"A bfloat16 model (bf16 KV cache) by kernel level; decode rows at position {POSITION}"
         columns = ["| model | forward | level | ms | speed vs avx512bf16 |", "|---|---|---|---|---|"]
     elif args.dtypes:
@@ -238,14 +249,15 @@ def main(argv: list[str] | None = None) -> int:
         window = SHAPES[shape].block_size
         if args.tiles:
             prefills = [int(n) for n in args.prefill.split(",") if n and int(n) <= window]
-            lines += bench_tiles(shape, rows, prefills, steps, args.rounds)
+            lines += bench_tiles(shape, rows, prefills, steps, args.rounds, int8=args.int8)
         elif args.dtypes:
             positions = [p for p in (int(x) for x in args.positions.split(",")) if p < window]
             lines += bench_dtypes(shape, rows, positions, steps, args.rounds)
         else:
             prefills = [int(n) for n in args.prefill.split(",") if n and int(n) <= window]
             lines += bench_shape(shape, rows, prefills, steps, args.rounds)
-    name = "decode-step-dtypes" if args.dtypes else "decode-step-tiles" if args.tiles else "decode-step"
+    name = ("decode-step-dtypes" if args.dtypes else "decode-step-int8-tiles" if args.tiles and args.int8
+            else "decode-step-tiles" if args.tiles else "decode-step")
     out = args.out or str(RESULTS / f"{name}-{m['microarch']}.md")
     Path(out).write_text("\n".join(header + lines) + "\n")
     print(f"wrote {out}")

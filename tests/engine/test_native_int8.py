@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from bench.record import cpuinfo_fields
 from nanoserve.engine.backends.factory import check_backend
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.int8_weights import linear_reference, pack_int8_panels, quantize_int8
@@ -37,7 +38,8 @@ SHAPES = {
                            bias=False, norm="rmsnorm", mlp="swiglu", mlp_hidden=88, positions="rope"),
 }
 ROWS = [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 16, 25, 33, 64]  # every block size and tail of the kernels
-LEVELS = ("c", "avx2", "avx512")
+# amx: AMX-INT8 on VNNI's inputs, from 16 rows (AMX_I8_ROWS) and for inputs a multiple of 64: "aligned".
+LEVELS = ("c", "avx2", "avx512", "amx")
 SHIPPED = Path(__file__).parents[2] / "checkpoints" / "shakespeare-char"
 
 
@@ -174,6 +176,8 @@ def test_the_vector_levels_give_the_same_bits_alone_or_batched(shape: str) -> No
     if "avx512" not in by_level:
         pytest.skip("no AVX-512 here: only the C and AVX2 kernels were compared")
     assert torch.equal(by_level["avx512"], by_level["avx2"])
+    if "amx" in by_level:  # the same integers on tiles, the same epilogue
+        assert torch.equal(by_level["amx"], by_level["avx512"])
     # C: float32 rounding apart, but for a row with an input on a tie (see the test above).
     err = (by_level["c"] - by_level["avx2"]).abs().amax(dim=1)
     assert (err < 1e-4).sum() >= rows - 4 and err.max() < 0.25, err.tolist()
@@ -187,7 +191,20 @@ def test_int8_weights_hold_a_quarter_of_the_bytes_and_never_a_tile_copy() -> Non
     packed = step._tensors["layers.0.fc.w"]
     assert packed is not None and packed.dtype == torch.int8 and packed.numel() == 4 * cfg.n_embd**2
     assert step._tensors["wte"] is not None  # the int8 output layer cannot serve as the embeddings
-    assert step.isa in LEVELS  # no tile level: those read bf16 copies of the weights
+    assert step.isa in LEVELS  # no bf16 tile level: it reads bf16 copies of the weights
+
+
+@torch.no_grad()
+def test_int8_weights_run_on_amx_int8_where_the_cpu_has_it() -> None:
+    # Else the amx comparisons above would compare VNNI with itself.
+    step = NativeStep(_model(SHAPES["aligned"]), _cache(SHAPES["aligned"], 2), max_threads=1, quantize="int8")
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo_fields(cpuinfo.read_text()).get("flags", "").split()) if cpuinfo.is_file() else set()
+    if not {"amx_tile", "amx_int8", "avx512_vnni"} <= flags:
+        assert step.use_isa("amx") != "amx"
+        pytest.skip("no AMX-INT8 here: the level is refused")
+    assert step.isa == "amx" and step.use_isa("amx") == "amx"
+    assert step.use_isa("avx512bf16") == "avx512"  # no bf16 tile level for int8 weights
 
 
 async def test_the_shipped_checkpoint_greedy_in_int8_mostly_agrees_with_float32(

@@ -120,6 +120,7 @@ typedef struct ns_model {
     int tiles;  /* bfloat16 weights: the tile level in use (ISA_AVX512BF16, see gemv_dp, or ISA_AMX, see
                  * gemv_amx; bf16-rounded inputs), or 0: the widening kernels */
     int tiles_only; /* the panels are gone (ns_tiles_only): only the levels that read tiles run */
+    int i8amx;      /* int8 weights on AMX-INT8 tiles (gemv_amx_i8), VNNI's kernels for few rows */
     uint8_t *xq; /* int8 linears: per thread, inputs quantized (xq_each bytes), and their row scales */
     float *xqs;
     uint16_t *xb; /* per thread, (round32(2 max_threads), round32(4 C)): few rows' inputs in bf16 */
@@ -529,7 +530,7 @@ static void step_thread(void *arg) {
 #endif
     gemv_claimed(job, phase, &m->head, h, shared_of(m, h), job->n_out, job->logits, m->vocab, 0, ACT_NONE, NULL, tid, nt);
 #ifdef NS_X86
-    if (m->tiles == ISA_AMX) amx_release(); /* the thread's tile state is not kept between steps */
+    if (m->tiles == ISA_AMX || m->i8amx) amx_release(); /* the thread's tile state is not kept between steps */
 #endif
     /* Met here, where a late thread sleeps (barrier.inc), not only at the region's end in libgomp,
      * where the others would spin for it. */
@@ -550,18 +551,29 @@ static Linear *linear_at(Model *m, int i) {
 }
 
 #ifdef NS_X86
+/* Whether the kernel lets this process use the tile state (Linux asks each process to request it). */
+static int amx_permitted(void) {
+#ifdef SYS_arch_prctl
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+    return 0;
+#endif
+}
+
 /* The best tile level this bfloat16 model can run here: AVX512-BF16 where the CPU has it, AMX where
- * it also has AMX and the kernel lets this process use it (Linux asks each process to request the
- * tile state); ISA_C (none) for a float32 model or an older CPU. */
+ * it also has AMX and the kernel lets this process use it; ISA_C (none) for a float32 model or an
+ * older CPU. */
 static int tiles_possible(const Model *m) {
     if (m->wt != BF16 || m->xq || !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bf16"))
         return ISA_C;
     if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return ISA_AVX512BF16;
-#ifdef SYS_arch_prctl
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0)
-        return ISA_AMX;
-#endif
-    return ISA_AVX512BF16;
+    return amx_permitted() ? ISA_AMX : ISA_AVX512BF16;
+}
+
+/* Whether this int8 model's products can run on AMX-INT8 here (on the VNNI level's inputs). */
+static int i8_amx_possible(const Model *m) {
+    return m->xq && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && amx_permitted();
 }
 
 /* Tile level `level` can run: possible here, and the tile copies and input buffers exist. */
@@ -622,12 +634,13 @@ int32_t ns_tiles_only(ns_model *model) {
 }
 
 /* Levels 0-2 compute the same function, 1 and 2 the same bits; levels 3 and 4 round the linear
- * layers' inputs to bfloat16 first (see gemv_dp, gemv_amx). (Lower levels are for comparing and
- * benchmarking.) */
+ * layers' inputs to bfloat16 first (see gemv_dp, gemv_amx). An int8 model has no level 3: at level 4
+ * it multiplies on AMX-INT8, the same bits as level 2 (gemv_amx_i8). (Lower levels are for
+ * comparing and benchmarking.) */
 int32_t ns_set_isa(ns_model *model, int32_t level) {
     Model *m = model;
     if (m->tiles_only && level < ISA_AVX512BF16) level = ISA_AVX512BF16;
-    m->avx2 = m->avx512 = m->tiles = 0;
+    m->avx2 = m->avx512 = m->tiles = m->i8amx = 0;
 #ifdef NS_X86
     m->avx2 = level >= ISA_AVX2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     m->avx512 = m->avx2 && level >= ISA_AVX512 && __builtin_cpu_supports("avx512f");
@@ -635,8 +648,9 @@ int32_t ns_set_isa(ns_model *model, int32_t level) {
         m->tiles = level >= ISA_AMX && tiles_ready(m, ISA_AMX) ? ISA_AMX
                    : tiles_ready(m, ISA_AVX512BF16)           ? ISA_AVX512BF16
                                                               : 0;
+    m->i8amx = m->avx512 && level >= ISA_AMX && i8_amx_possible(m);
 #endif
-    return m->tiles ? m->tiles : m->avx512 ? ISA_AVX512 : m->avx2 ? ISA_AVX2 : ISA_C;
+    return m->tiles ? m->tiles : m->i8amx ? ISA_AMX : m->avx512 ? ISA_AVX512 : m->avx2 ? ISA_AVX2 : ISA_C;
 }
 
 static Linear linear(ns_linear w, int out, int in) { return (Linear){w.w, w.b, out, in, NULL, w.scale, NULL}; }
