@@ -12,8 +12,6 @@ already running finishes alone, within its bounds, and its result is dropped.
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -21,21 +19,11 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from nanoserve.engine.types import Overloaded
+from nanoserve.engine.worker_priority import lower_thread_priority
+
+__all__ = ["GrammarPool", "lower_thread_priority"]  # grammar.py's mask thread takes the same priority
 
 T = TypeVar("T")
-log = logging.getLogger(__name__)
-BACKGROUND_NICE = 10  # grammar threads' niceness above the process's: they take the engine's leftovers
-
-
-def lower_thread_priority() -> None:
-    """Make the calling thread yield its core to the engine and the event loop (Linux schedules
-    threads on their own nice value): a grammar's compile or mask then takes the CPU those leave,
-    and on a two-core host a flood of grammars no longer takes the engine thread's core."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0)
-                       + BACKGROUND_NICE)
-    except (OSError, AttributeError) as e:  # not Linux, or not allowed: serve at the same priority
-        log.debug("grammar thread priority unchanged: %s", e)
 
 
 class GrammarPool:

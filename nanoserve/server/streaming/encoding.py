@@ -3,20 +3,31 @@ and the work waiting for the encoder bounded like generation is.
 
 A prompt's characters bound its tokens from below (`Tokenizer.max_piece_chars`), so a text that
 cannot fit the server's prompt cap is refused before it is encoded. What is left to encode goes
-to the loop's single worker thread; the characters waiting there are capped
-(`max_pending_encode_chars`), and past the cap a request gets 429 with the time the encoder needs
-to catch up, instead of queueing CPU work nobody bounds. The byte-level BPE encoder releases the
-GIL on long texts (nanoserve/model/tokenizer.py), so the engine thread keeps stepping meanwhile.
+to the encoder's one thread; the characters waiting there are capped (`max_pending_encode_chars`),
+and past the cap a request gets 429 with the time the encoder needs to catch up, instead of
+queueing CPU work nobody bounds. The byte-level BPE encoder releases the GIL on long texts
+(nanoserve/model/tokenizer.py), so the engine thread keeps stepping meanwhile.
+
+One thread, not a pool: what an encoding job does in Python (a chat template, /tokenize's spans)
+holds the GIL, and every thread waiting for the GIL makes the event loop's turn at it rarer (a
+flood of 120 /tokenize calls on the default pool's six threads kept /health waiting up to 1.3-3 s,
+on one thread 0.6-1.2 s, on a 2-core host that other work kept busy). It keeps the server's
+priority, unlike the grammar threads (nanoserve/engine/worker_priority.py): those run llguidance
+without the GIL, but this thread holds it, and a thread the kernel deschedules while it holds the
+GIL stalls the loop with it (at niceness 10 the same flood kept /health waiting 2.2-4.5 s).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
+from nanoserve.engine.threads import single_threaded_elsewhere
 from nanoserve.engine.types import InvalidRequest
 from nanoserve.server.http.errors import APIError
 from nanoserve.server.runtime.heap import return_free_memory
@@ -35,18 +46,26 @@ TRIM_AFTER_CHARS = 100_000
 
 
 class EncodeQueue:
-    """Counts the characters handed to the worker thread and not yet encoded; refuses past a cap."""
+    """Runs encoding jobs on its one thread; counts the characters handed to it and not yet
+    encoded, and refuses past a cap."""
 
     def __init__(self, max_pending_chars: int) -> None:
         self.max_pending_chars = max_pending_chars
         self.pending_chars = 0
         self.chars_per_s = INITIAL_CHARS_PER_S
+        self._executor: ThreadPoolExecutor | None = None  # started by the first job
+
+    def _thread(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-encoder",
+                                                initializer=single_threaded_elsewhere)
+        return self._executor
 
     def retry_after_s(self) -> int:
         return max(1, math.ceil(self.pending_chars / self.chars_per_s))
 
     async def run(self, fn: Callable[[], T], chars: int) -> T:
-        """`fn()` on the worker thread, or 429 when the characters waiting would pass the cap."""
+        """`fn()` on the encoder's thread, or 429 when the characters waiting would pass the cap."""
         if self.pending_chars + chars > self.max_pending_chars:
             raise APIError(
                 429,
@@ -67,8 +86,9 @@ class EncodeQueue:
                     # to the OS rather than staying resident after the request.
                     return_free_memory()
 
+        context = contextvars.copy_context()  # as asyncio.to_thread does
         try:
-            return await asyncio.to_thread(job)
+            return await asyncio.get_running_loop().run_in_executor(self._thread(), context.run, job)
         finally:
             self.pending_chars -= chars
             elapsed = time.perf_counter() - t0
@@ -97,7 +117,7 @@ def prompt_too_long(n_tokens: int, limit: int, param: str) -> APIError:
 
 async def encode_off_loop(engine: Engine, queue: EncodeQueue, text: str, fn: Callable[[], T],
                           param: str) -> T:
-    """`fn()` (which encodes `text`) inline when short, else on the worker thread through `queue`;
+    """`fn()` (which encodes `text`) inline when short, else on the encoder's thread through `queue`;
     a text the tokenizer cannot represent is a 422 naming `param`."""
     try:
         if len(text) <= INLINE_ENCODE_CHARS:
