@@ -36,11 +36,12 @@ def pack_params(reqs: list[Request], vocab: int) -> np.ndarray:
 
 def record_penalties(penalties: PenaltyState, p: DeviceParams, tokens: torch.Tensor) -> None:
     """PenaltyState.record without its host-side row selection: every row writes, rows without
-    penalties write nothing (False, 0). Slots are distinct within a step, so no two rows touch
-    the same cell."""
+    penalties write what was there (| False, + 0). Slots are distinct within a step, so no two
+    rows touch the same cell and a plain write does what an accumulating one would (CUDA's
+    accumulating index_put_ sorts the indices first)."""
     where = (p.slot, tokens)
     penalties.seen.index_put_(where, penalties.seen[where] | p.penalised)
-    penalties.counts.index_put_(where, p.penalised.to(penalties.counts.dtype), accumulate=True)
+    penalties.counts.index_put_(where, penalties.counts[where] + p.penalised.to(penalties.counts.dtype))
 
 
 class DeviceDraw:
