@@ -1,6 +1,7 @@
 """The torch backend: forwards through torch's kernels on any device (the model's own forward, or
 for one-token rows the static-shape `GraphDecodeStep`, replayed as CUDA graphs on a GPU, or the
-straight-line `TorchDecodeStep`), tokens drawn by nanoserve/model/sampling.py."""
+straight-line `TorchDecodeStep`; on a GPU prompt chunks that need no mask through `FlashPrefill`),
+tokens drawn by nanoserve/model/sampling.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 
 from nanoserve.engine.backends.base import Backend
+from nanoserve.engine.flash_prefill import FlashPrefill, flash_applies
 from nanoserve.engine.graph_step import GraphDecodeStep
 from nanoserve.engine.kv_slots import SpanKVCache
 from nanoserve.engine.packed_linear import pack_linears
@@ -25,11 +27,12 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, model: GPT, cache: SpanKVCache, *, compile: bool = False, pack: bool = False,
-                 batch_hint: int = 1, graph_rows: int = 0, graphs_off: str = "off") -> None:
+                 batch_hint: int = 1, graph_rows: int = 0, graphs_off: str = "off",
+                 flash_prefill: bool = False) -> None:
         """graph_rows: decode batches of up to this many rows run as graph_step.py's static step
         (the cache holds one slot more, for its padding), captured as CUDA graphs on a GPU and
         eager elsewhere; 0: the straight-line step or the model's forward, `graphs_off` saying why
-        (for /info)."""
+        (for /info). flash_prefill: prompt chunks that need no mask through flash_prefill.py."""
         self.cache = cache
         self.device = model.wte.weight.device
         self.vocab = model.config.vocab_size
@@ -49,10 +52,11 @@ class TorchBackend(Backend):
         if self.graph_step is not None and self.device.type == "cuda":
             self.graph_step.capture()
         self.graphs_off = None if graph_rows else graphs_off
+        self.prefill = FlashPrefill(model, cache) if flash_prefill and not compile else None
 
     def describe(self) -> dict[str, Any]:
         graphs = self.graph_step.describe() if self.graph_step is not None else self.graphs_off
-        return {**super().describe(), "cuda_graphs": graphs}
+        return {**super().describe(), "cuda_graphs": graphs, "flash_prefill": self.prefill is not None}
 
     def kernels(self) -> str:
         graphs = self.graph_step is not None and self.graph_step.graphs
@@ -74,6 +78,8 @@ class TorchBackend(Backend):
         pos = start.view(-1, 1) + torch.arange(t, device=self.device).view(1, -1)  # (G, T)
         slots = torch.tensor(slot_list, dtype=torch.long, device=self.device)
         self.cache.prepare(slot_list, [item.start + t for item in items])
+        if t > 1 and self.prefill is not None and not any(scoring) and flash_applies(items):
+            return self.prefill(idx, pos, slots, slot_list[0], items[0].start)
         if t == 1 and self.decode_step is not None:
             return self.decode_step(idx.view(-1), pos.view(-1), slots)
         if not any(scoring):
