@@ -17,6 +17,8 @@ import os
 import random
 import statistics
 import string
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -42,6 +44,7 @@ PENDING_ENCODE_CHARS = 1_000_000  # two 400k-character prompts may wait for the 
 ENDLESS_TOKENS = 200_000  # an attacker's stream that would run for minutes
 VICTIM_SLOWDOWN = 8.0
 VICTIM_SLACK_S = 3.0
+HEALTH_BOUND_S = 0.5  # /health during a /tokenize flood (issue 47: 1.5-1.9 s before)
 JSON = {"content-type": "application/json"}
 CORPUS = (
     "It was the best of times, it was the worst of times, it was the age of wisdom, it was the "
@@ -127,6 +130,47 @@ class Victim:
         assert not self._thread.is_alive(), "the victim's stream never ended"
         if self.errors:
             raise self.errors[0]
+
+
+# /health every 20 ms from a process of its own, so that the attacker's client threads (this
+# process's GIL) do not count in the server's answer times. It stops when its stdin closes.
+HEALTH_PROBE = """
+import sys, threading, time, httpx
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+times = []
+with httpx.Client(base_url=sys.argv[1], timeout=30) as client:
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        assert client.get("/health").status_code == 200
+        times.append(time.perf_counter() - t0)
+        if len(times) == 1:
+            print("probing", flush=True)
+        time.sleep(0.02)
+print(max(times), len(times))
+"""
+
+
+class HealthProbe:
+    """Times /health every 20 ms while the block runs; `worst_s` and `probes` after it."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.worst_s = 0.0
+        self.probes = 0
+
+    def __enter__(self) -> HealthProbe:
+        self._proc = subprocess.Popen([sys.executable, "-c", HEALTH_PROBE, self.base_url], text=True,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self._proc.stdout is not None
+        assert self._proc.stdout.readline().strip() == "probing"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        out, _ = self._proc.communicate("", timeout=60)
+        assert self._proc.returncode == 0, out
+        worst, probes = out.split()[-2:]
+        self.worst_s, self.probes = float(worst), int(probes)
 
 
 def baseline(base_url: str) -> float:
@@ -266,8 +310,11 @@ def test_long_prompts_and_tokenize_floods_leave_others_served(server: ServerProc
     with Victim(server.base_url) as victim:
         refused = flood(server.base_url, "/generate", {"inputs": huge}, threads=4, each=2)
         generate = flood(server.base_url, "/generate", {"inputs": big}, threads=6, each=3)
-        tokenize = flood(server.base_url, "/tokenize", {"inputs": medium}, threads=16, each=2)
+        with HealthProbe(server.base_url) as health:
+            tokenize = flood(server.base_url, "/tokenize", {"inputs": medium}, threads=16, each=2)
     assert_unharmed(victim, alone, "long prompts and /tokenize floods")
+    print(f"/health during the /tokenize flood: at most {health.worst_s:.3f} s over {health.probes} probes")
+    assert health.worst_s < HEALTH_BOUND_S
     for r in refused:
         assert r.status_code == 422 and "characters, more than" in error_message(r), r.text
     codes = [r.status_code for r in generate + tokenize]
