@@ -77,9 +77,11 @@ class DeviceDraw:
         # Host-known flags choose which ops run (and so which graph a capture would replay).
         penal = any(uses_penalties(r) for r in reqs)
         typical = any(r.params.typical_p is not None and r.params.typical_p < 1 for r in reqs)
+        sample = any(r.params.temperature > 0 for r in reqs)
         seen = penalties.seen.index_select(0, p.slot) if penal else None
         counts = penalties.counts.index_select(0, p.slot) if penal else None
-        tokens = torch.where(p.draws, device_sample(logits, p, seen, counts, typical), greedy)
+        drawn = device_sample(logits, p, seen, counts, typical=typical, sample=sample)
+        tokens = torch.where(p.draws, drawn, greedy)
         if penal:
             record_penalties(penalties, p, tokens)
         return tokens

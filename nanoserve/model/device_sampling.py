@@ -169,13 +169,18 @@ def device_sample(
     seen: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
     typical: bool = True,
+    sample: bool = True,
 ) -> torch.Tensor:
     """One token per row (N,) long, still on the logits' device: greedy rows (temperature 0) the
     first argmax of their penalised logits, the others inverse-CDF sampling of their filtered
     logits at their seeded uniform, vocabulary order, as sample_from_logits. Bias and grammar
-    masks come first (apply_bias_and_mask), as the runner applies them before any draw."""
+    masks come first (apply_bias_and_mask), as the runner applies them before any draw.
+    `sample` False (host-known: no row samples, a batch of greedy rows with penalties) skips the
+    filters and the draw."""
     logits = device_penalties(logits, p, seen, counts)
     picked = logits.argmax(dim=-1)  # first index of the maximum, as row_max
+    if not sample:
+        return picked
     drawn = sample_from_logits(device_filters(logits, p, typical), device_uniform(p.seed, p.index))
     return torch.where(p.temperature.view(-1) > 0, drawn, picked)
 
