@@ -111,8 +111,10 @@ def test_the_device_sampler_draws_the_reference_tokens(loop: asyncio.AbstractEve
     tokens can differ only where that reference disagrees with its own whole-vocabulary path: the
     head computes the nucleus's mass and the softmax over 64 tokens instead of 50k, a float32
     rounding (~1e-7) apart, so a draw moves only when its uniform or a top_p target falls that
-    close to a boundary: at most 1 in 1,000 here. (The whole-vocabulary path sums a 50k row's
-    nucleus bucket by bucket, nucleus.py, this one token by token: ~1e-15 apart, never seen.)"""
+    close to a boundary: at most 1 in 1,000 here. Measured with this test's requests in batches of
+    32: 0 differences from either path in 9,600 draws (5,733 sampled) at 50,257 tokens and 9,600
+    (5,775) at 65. (The whole-vocabulary path sums a 50k row's nucleus bucket by bucket,
+    nucleus.py, this one token by token: ~1e-15 apart.)"""
     rng, gen = random.Random(vocab), torch.Generator().manual_seed(vocab)
     draws = head_differs = 0
     for _ in range(12 if vocab > 1000 else 40):
