@@ -100,11 +100,12 @@ async def test_a_client_with_no_slot_gets_every_slot_its_group_needs(make_engine
     alone = await _alone(make_engine(max_seqs=1))
     engine = make_engine(max_seqs=4)
     held = await _started(engine, "a", 4)
-    group = await engine.generate_choices(PROMPT, SHORT, 2, client="b")
+    # b's choices run 64 tokens: still running when c comes (else c would find their slots free).
+    group = await engine.generate_choices(PROMPT, replace(SHORT, max_new_tokens=64), 2, client="b")
     await wait_for(lambda: engine.scheduler.preemptions == 2)
     other = await engine.generate("abc", SHORT, client="c")
     got = await asyncio.wait_for(_drain(group), SERVED_S)
-    assert [len(tokens) for tokens in got] == [4, 4]
+    assert [len(tokens) for tokens in got] == [64, 64]
     assert (await asyncio.wait_for(_events_of(other), SERVED_S))[-1].finish_reason is FinishReason.LENGTH
     assert engine.scheduler.preemptions == 3
     for stream in held:
