@@ -35,6 +35,7 @@ from nanoserve.model.device_sampling import (
 )
 from nanoserve.model.sampling import row_max, sample_tokens, seeded_uniform
 from nanoserve.model.tokenizer import CharTokenizer
+from tests.engine.conftest import EngineFactory, collect, token_ids
 
 TOKENIZER = CharTokenizer.train("abcdefghijklmnopqrstuvwxyz ")
 GPT2_VOCAB = 50257
@@ -136,6 +137,33 @@ def test_the_device_sampler_draws_the_reference_tokens(loop: asyncio.AbstractEve
             for r, token in zip(reqs, got.tolist(), strict=True):
                 r.generated.append(token)
     assert head_differs <= draws // 1000, (head_differs, draws)
+
+
+@pytest.mark.backends("torch", "torch-cuda")
+async def test_an_engine_drawing_on_the_device_streams_the_reference_tokens(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeviceDraw in place of the torch backend's draw, as the backend would call it: concurrent
+    seeded streams with every kind of parameter, logit bias included, are the reference's."""
+    reference, device = make_engine(max_seqs=8), make_engine(max_seqs=8)
+    draw, vocab = DeviceDraw(), device.runner.vocab
+    monkeypatch.setattr(device.runner.backend, "draw",
+                        lambda reqs, logits, greedy, penalties: draw(reqs, logits, greedy, penalties, vocab))
+    settings: list[dict[str, object]] = [
+        dict(temperature=1.2, top_k=30, top_p=0.95, seed=1),
+        dict(temperature=0.8, min_p=0.1, repetition_penalty=1.3, seed=2),
+        dict(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.3),
+        dict(temperature=1.0, typical_p=0.9, seed=4),
+        dict(temperature=0.9, logit_bias=((5, 3.0), (7, -100.0)), seed=5),
+        dict(temperature=0.0),
+    ]
+    streams = []
+    for engine in (reference, device):
+        runs = (collect(engine, f"{i} Hello", max_new_tokens=40, stop_on_eos=False, **kw)
+                for i, kw in enumerate(settings))
+        streams.append([token_ids(events) for events in await asyncio.gather(*runs)])
+    assert streams[0] == streams[1]
+    assert len(set(streams[1][0])) > 5  # really sampled
 
 
 def test_a_request_draws_the_same_tokens_alone_or_batched(loop: asyncio.AbstractEventLoop) -> None:
