@@ -244,9 +244,9 @@ def test_the_device_step_has_no_data_dependent_shapes_or_host_reads(loop: asynci
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_the_device_step_replays_as_a_cuda_graph_without_a_sync(loop: asyncio.AbstractEventLoop) -> None:
-    """Captured once (sync debug mode "error": any synchronising op raises), replayed on new
-    logits and parameters copied into its static inputs: the tokens and penalty state of the
-    same step run eagerly."""
+    """Run eagerly under sync debug mode "error" (a synchronising op raises), captured once (a
+    sync during capture fails it), replayed on new logits and parameters copied into its static
+    inputs: the tokens and penalty state of the same step run eagerly."""
     vocab, n, dev = GPT2_VOCAB, 16, torch.device("cuda")
     rng, gen = random.Random(9), torch.Generator().manual_seed(9)
     words = torch.full((n, (vocab + 31) // 32), -1, dtype=torch.int32, device=dev)  # all allowed
@@ -263,15 +263,15 @@ def test_the_device_step_replays_as_a_cuda_graph_without_a_sync(loop: asyncio.Ab
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the capture, as torch.cuda.graph asks
-        _device_step(packed, logits, copy.deepcopy(state), logits.argmax(-1), ids, values, words)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _device_step(packed, logits, copy.deepcopy(state), logits.argmax(-1), ids, values, words)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(graph):
-            out = _device_step(packed, logits, state, logits.argmax(-1), ids, values, words)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    with torch.cuda.graph(graph):
+        out = _device_step(packed, logits, state, logits.argmax(-1), ids, values, words)
     for _ in range(3):
         new_packed, new_logits, new_state = inputs()
         eager_state = copy.deepcopy(new_state)
@@ -285,9 +285,10 @@ def test_the_device_step_replays_as_a_cuda_graph_without_a_sync(loop: asyncio.Ab
         assert torch.equal(state.seen, eager_state.seen) and torch.equal(state.counts, eager_state.counts)
 
 
-def test_tokens_come_back_in_one_copy() -> None:
+@pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+def test_tokens_come_back_in_one_copy(device: str) -> None:
     readback = TokenReadback()
-    readback.start(torch.tensor([5, 1, 7]))
+    readback.start(torch.tensor([5, 1, 7], device=device))
     assert readback.tokens() == [5, 1, 7]
-    readback.start(torch.tensor([2]))
+    readback.start(torch.tensor([2], device=device))  # the buffer reused for a smaller step
     assert readback.tokens() == [2]
