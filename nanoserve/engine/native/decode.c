@@ -551,13 +551,21 @@ static Linear *linear_at(Model *m, int i) {
 }
 
 #ifdef NS_X86
-/* Whether the kernel lets this process use the tile state (Linux asks each process to request it). */
+/* Whether the kernel lets this process use the tile state (Linux asks each process to request it).
+ * Asked once: a permission is the process's for good, and the request checks every thread's signal
+ * stack, which ns_set_isa (called per level switch by the comparisons) need not pay again. */
 static int amx_permitted(void) {
+    static int known = -1; /* -1: not asked yet; else the answer (any thread may store it: the same) */
+    int ok = __atomic_load_n(&known, __ATOMIC_RELAXED);
+    if (ok < 0) {
 #ifdef SYS_arch_prctl
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+        ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 #else
-    return 0;
+        ok = 0;
 #endif
+        __atomic_store_n(&known, ok, __ATOMIC_RELAXED);
+    }
+    return ok;
 }
 
 /* The best tile level this bfloat16 model can run here: AVX512-BF16 where the CPU has it, AMX where
