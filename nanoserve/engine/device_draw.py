@@ -17,9 +17,14 @@ from nanoserve.engine.work import needs_draw, uses_penalties
 from nanoserve.model.device_sampling import FLOAT_COLUMNS, PACKED_WIDTH, DeviceParams, device_sample
 
 
-def pack_params(reqs: list[Request], vocab: int) -> np.ndarray:
-    """(N, PACKED_WIDTH) int64: each row's parameters with the reference's defaults for what it
-    leaves unset (torch_backend.sampling_batch's), floats as float64 bits."""
+def pack_params(reqs: list[Request], vocab: int, rows: int = 0, pad_slot: int = 0) -> np.ndarray:
+    """(max(rows, N), PACKED_WIDTH) int64: each request's parameters with the reference's
+    defaults for what it leaves unset (torch_backend.sampling_batch's), floats as float64 bits.
+
+    Rows past the requests pad a batch to a captured graph's size: greedy, drawing nothing, no
+    penalty, in `pad_slot`. Their penalty writes are no-ops, but a write races with a request's
+    in the same slot, so `pad_slot` must be one no request holds (a scratch slot), with a row in
+    the PenaltyState."""
     floats = np.array([
         (p.temperature, 1.0 if p.top_p is None else p.top_p, p.min_p or 0.0,
          1.0 if p.typical_p is None else p.typical_p, p.repetition_penalty or 1.0,
@@ -31,7 +36,12 @@ def pack_params(reqs: list[Request], vocab: int) -> np.ndarray:
          needs_draw(r), uses_penalties(r))
         for r in reqs
     ], dtype=np.int64).reshape(len(reqs), PACKED_WIDTH - len(FLOAT_COLUMNS))
-    return np.concatenate([floats.view(np.int64), ints], axis=1)
+    packed = np.concatenate([floats.view(np.int64), ints], axis=1)
+    if rows <= len(reqs):
+        return packed
+    pad = np.array([(0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0)], dtype=np.float64).view(np.int64)
+    pad = np.concatenate([pad, [[vocab, 0, 0, pad_slot, 0, 0]]], axis=1)
+    return np.concatenate([packed, np.repeat(pad, rows - len(reqs), axis=0)])
 
 
 def record_penalties(penalties: PenaltyState, p: DeviceParams, tokens: torch.Tensor) -> None:

@@ -179,6 +179,33 @@ def test_a_request_draws_the_same_tokens_alone_or_batched(loop: asyncio.Abstract
     assert len(set(alone)) > 8  # the rows really sample
 
 
+def test_rows_padding_a_batch_to_a_graph_bucket_change_nothing(loop: asyncio.AbstractEventLoop) -> None:
+    """A batch of 5 padded to 8 rows (pack_params' rows) in a scratch slot: the 5 requests draw
+    what they draw unpadded, and the penalty state is what the 5 alone leave."""
+    vocab, n, bucket = 1000, 5, 8
+    rng, gen = random.Random(4), torch.Generator().manual_seed(4)
+    reqs = requests(loop, rng, n, vocab)
+    for r in reqs:  # every row penalised, so each writes its slot's state
+        r.params = dataclasses.replace(r.params, repetition_penalty=1.3, frequency_penalty=0.5)
+    logits = model_like_logits(gen, bucket, vocab)
+    alone, padded = PenaltyState(n + 1, vocab, torch.device("cpu")), None
+    for r in reqs:
+        alone.reset_slot(r)
+    padded, before = copy.deepcopy(alone), int(alone.counts.sum())
+    want = _device_step(torch.from_numpy(pack_params(reqs, vocab)), logits[:n], alone, logits[:n].argmax(-1),
+                        *_no_bias_or_mask(n, vocab))
+    got = _device_step(torch.from_numpy(pack_params(reqs, vocab, rows=bucket, pad_slot=n)), logits, padded,
+                       logits.argmax(-1), *_no_bias_or_mask(bucket, vocab))
+    assert got[:n].tolist() == want.tolist()
+    assert torch.equal(padded.seen, alone.seen) and torch.equal(padded.counts, alone.counts)
+    assert alone.counts.sum() == before + n  # the 5 wrote
+
+
+def _no_bias_or_mask(n: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    words = torch.full((n, (vocab + 31) // 32), -1, dtype=torch.int32)  # every token allowed
+    return torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, 1), words
+
+
 def test_logit_bias_and_the_grammar_mask_as_the_runner_applies_them(loop: asyncio.AbstractEventLoop) -> None:
     """Padded (row, token, value) biases and bitmask words unpacked on the device: the same
     logits as the runner's in-place bias (ModelRunner._add_logit_bias) and grammar mask
