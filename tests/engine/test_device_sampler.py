@@ -143,12 +143,12 @@ def test_the_device_sampler_draws_the_reference_tokens(loop: asyncio.AbstractEve
 async def test_an_engine_drawing_on_the_device_streams_the_reference_tokens(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """DeviceDraw in place of the torch backend's draw, as the backend would call it: concurrent
+    """The torch backend's draw through its DeviceDraw (as the factory sets it on a GPU): concurrent
     seeded streams with every kind of parameter, logit bias included, are the reference's."""
     reference, device = make_engine(max_seqs=8), make_engine(max_seqs=8)
-    draw, vocab = DeviceDraw(), device.runner.vocab
-    monkeypatch.setattr(device.runner.backend, "draw",
-                        lambda reqs, logits, greedy, penalties: draw(reqs, logits, greedy, penalties, vocab))
+    assert reference.runner.backend.describe()["sampler"] == "reference"  # a CPU draws on the host
+    monkeypatch.setattr(device.runner.backend, "device_draw", DeviceDraw())
+    assert device.runner.backend.describe()["sampler"] == "device"
     settings: list[dict[str, object]] = [
         dict(temperature=1.2, top_k=30, top_p=0.95, seed=1),
         dict(temperature=0.8, min_p=0.1, repetition_penalty=1.3, seed=2),

@@ -70,6 +70,7 @@ def choose_backend(model: GPT, config: EngineConfig, window: int, cpu_threads: i
         why = f"the native backend cannot run: {why_not_native}"
     pack = config.packed_linear and packed_linear_supported(model.wte.weight.device, config.torch_dtype)
     graph_rows = config.max_seqs if graphs_off is None else 0
-    on_gpu = model.wte.weight.device.type == "cuda"  # where the flash kernels are
+    on_gpu = model.wte.weight.device.type == "cuda"  # where the flash kernels and device sampling pay
     return TorchBackend(model, cache, compile=config.compile, pack=pack, batch_hint=config.max_seqs,
-                        graph_rows=graph_rows, graphs_off=graphs_off or "", flash_prefill=on_gpu), why
+                        graph_rows=graph_rows, graphs_off=graphs_off or "", flash_prefill=on_gpu,
+                        device_sampler=on_gpu), why

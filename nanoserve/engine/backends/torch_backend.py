@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from nanoserve.engine.backends.base import Backend
+from nanoserve.engine.device_draw import DeviceDraw
 from nanoserve.engine.flash_prefill import FlashPrefill, flash_applies
 from nanoserve.engine.graph_step import GraphDecodeStep
 from nanoserve.engine.kv_slots import SpanKVCache
@@ -28,11 +29,14 @@ class TorchBackend(Backend):
 
     def __init__(self, model: GPT, cache: SpanKVCache, *, compile: bool = False, pack: bool = False,
                  batch_hint: int = 1, graph_rows: int = 0, graphs_off: str = "off",
-                 flash_prefill: bool = False) -> None:
+                 flash_prefill: bool = False, device_sampler: bool = False) -> None:
         """graph_rows: decode batches of up to this many rows run as graph_step.py's static step
         (the cache holds one slot more, for its padding), captured as CUDA graphs on a GPU and
         eager elsewhere; 0: the straight-line step or the model's forward, `graphs_off` saying why
-        (for /info). flash_prefill: prompt chunks that need no mask through flash_prefill.py."""
+        (for /info). flash_prefill: prompt chunks that need no mask through flash_prefill.py.
+        device_sampler: tokens drawn by device_draw.py (fixed shapes, one parameter copy, no host
+        read) instead of the reference sampler, which reads the host between its filters: on a GPU
+        each read is a sync; on a CPU the reference is the faster (it works on a head of candidates)."""
         self.cache = cache
         self.device = model.wte.weight.device
         self.vocab = model.config.vocab_size
@@ -53,10 +57,12 @@ class TorchBackend(Backend):
             self.graph_step.capture()
         self.graphs_off = None if graph_rows else graphs_off
         self.prefill = FlashPrefill(model, cache) if flash_prefill and not compile else None
+        self.device_draw = DeviceDraw() if device_sampler else None  # one per backend: its pinned buffer
 
     def describe(self) -> dict[str, Any]:
         graphs = self.graph_step.describe() if self.graph_step is not None else self.graphs_off
-        return {**super().describe(), "cuda_graphs": graphs, "flash_prefill": self.prefill is not None}
+        return {**super().describe(), "cuda_graphs": graphs, "flash_prefill": self.prefill is not None,
+                "sampler": "device" if self.device_draw is not None else "reference"}
 
     def kernels(self) -> str:
         graphs = self.graph_step is not None and self.graph_step.graphs
@@ -108,6 +114,8 @@ class TorchBackend(Backend):
 
     def draw(self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor,
              penalties: PenaltyState) -> torch.Tensor:
+        if self.device_draw is not None:
+            return self.device_draw(reqs, logits, greedy, penalties, self.vocab)
         return torch_draw(reqs, logits, greedy, penalties, self.vocab)
 
 
