@@ -30,7 +30,7 @@ from nanoserve.engine.grammar import Constraint, Grammars
 from nanoserve.engine.grammar_pool import GrammarPool
 from nanoserve.engine.ids import new_id, new_seed
 from nanoserve.engine.inbox import Inbox
-from nanoserve.engine.memory_plan import check_memory
+from nanoserve.engine.memory_plan import check_memory, fit_slots
 from nanoserve.engine.prompt_scores import ScoringCost
 from nanoserve.engine.request import Request
 from nanoserve.engine.runner import ModelRunner
@@ -64,6 +64,8 @@ class Engine:
         # Everything but the weights: those live in the model (and the native step's panels), and
         # holding the state dict would keep the copies the runner releases alive (runner.py).
         self.checkpoint = replace(checkpoint, state_dict={})
+        # On a GPU with gpu_memory_utilization: as many KV slots as that share of its memory holds.
+        config = fit_slots(checkpoint, config)
         self.config = config
         self.observer: EngineObserver = observer or NullObserver()
         self.tokenizer: Tokenizer = checkpoint.tokenizer
