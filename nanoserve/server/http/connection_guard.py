@@ -28,6 +28,11 @@ FD_RESERVE = 128
 # reset) at once, and for how long; past that many, they are closed at once.
 LINGER_MAX = 64
 LINGER_S = 1.0
+# What a lingering connection may still send, dropped unparsed, before it is closed at once (a
+# reset). Most clients send a whole body before they read the answer, so a refused body's rest
+# up to this is read and dropped and they get their 413; past it, a client that goes on sending
+# (an announced gigabyte) costs the loop no more than this.
+LINGER_MAX_BYTES = 16 << 20
 LOG_INTERVAL_S = 10.0
 # Pipelined requests parsed ahead of their turn on one connection (each holds its scope and body);
 # while some wait, heads are parsed PIPELINED_PIECE bytes at a time so the count overshoots little,

@@ -24,7 +24,10 @@ which must act before a request exists, so below the app:
 - a malformed request is answered 400 and the connection closed, but only after the responses to
   the requests before it on the connection (pipelined) have gone out whole;
 - pipelined requests are parsed only a few ahead of their turn, so a megabyte of them cannot
-  hold hundreds of megabytes of request state.
+  hold hundreds of megabytes of request state;
+- a request answered before its announced body is all here (413 by Content-Length) has the
+  connection closed after its answer instead of the rest of, say, a gigabyte read and dropped on
+  the loop.
 An answer the protocol writes itself is followed by a half-close and a short linger that reads
 and drops what the client still sends, so a client that is mid-send reads the answer instead of a
 connection reset.
@@ -42,6 +45,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from nanoserve.server.http.connection_guard import (
     LINGER_MAX,
+    LINGER_MAX_BYTES,
     LINGER_S,
     MAX_PIPELINED,
     MAX_UNPARSED_BYTES,
@@ -52,6 +56,9 @@ from nanoserve.server.http.connection_guard import (
 from nanoserve.server.http.errors import error_body
 
 BODY_WRITER = "nanoserve.body_writer"
+# A body answered before it was all here whose announced rest is at most this is still read (and
+# dropped), so the connection stays open for the client's next request.
+KEEP_READING_BYTES = 64 << 10
 
 
 class BodyWriter:
@@ -152,6 +159,7 @@ class NanoserveHttpProtocol(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._closing = False  # answered by the protocol (or refused): nothing more is parsed
         self._linger: asyncio.TimerHandle | None = None
+        self._dropped = 0  # bytes the client sent while the connection lingers
         self._after_response: bytes | None = None  # to write once the response in progress is out
         self._running: RequestResponseCycle | None = None  # the request whose app runs now
         self._unparsed: memoryview | None = None  # input held back while requests wait their turn
@@ -203,7 +211,11 @@ class NanoserveHttpProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
-            return  # an answer is out (or due): what the client still sends is dropped
+            # An answer is out (or due): what the client still sends is dropped, up to a bound.
+            self._dropped += len(data)
+            if self._linger is not None and self._dropped > LINGER_MAX_BYTES:
+                self.transport.close()
+            return
         self._unset_keepalive_if_required()
         if self._unparsed is not None:  # requests wait their turn: this waits behind them, unparsed
             self._hold(memoryview(bytes(self._unparsed) + data))
@@ -304,10 +316,30 @@ class NanoserveHttpProtocol(HttpToolsProtocol):
             self.server_state.total_requests += 1
             self._answer_and_close(self._after_response)
             return
+        answered = self._running
+        if answered is not None and answered.more_body and self._unread_body_is_large(answered):
+            # Answered before its body was all here (413 by Content-Length): the rest would be
+            # parsed and dropped on the loop, at whatever length the client announced. The
+            # connection closes instead, lingering as after the protocol's own answers so that
+            # the client reads this one. (A small rest, a 401 before a short body say, is read
+            # as before and the connection kept.)
+            self.server_state.total_requests += 1
+            self._answer_and_close(b"")
+            return
         super().on_response_complete()  # starts the next waiting request, if any
         if self._unparsed is not None and not self._closing and not self.transport.is_closing():
             view, self._unparsed = self._unparsed, None
             self._parse(view)
+
+    def _unread_body_is_large(self, cycle: RequestResponseCycle) -> bool:
+        if self.transport.is_closing():
+            return False
+        for name, value in cycle.scope["headers"]:
+            if name == b"content-length" and value.isdigit():
+                return int(value) - self._body_bytes > KEEP_READING_BYTES
+        # Chunked: its rest is unknown, and kept-alive clients reused the connection as the
+        # close began (httpx: "Server disconnected"), so it is read as before.
+        return False
 
     # Limits.
 
