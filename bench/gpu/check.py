@@ -8,16 +8,18 @@ Steps, in order (each writes its JSON; the driver gathers them):
              tests/engine, CUDA graphs on, the graphs' own capture and replay tests among them)
              and the CUDA device-index check of tests/reliability
   stream     greedy streams through a real uvicorn on the device against the reference
-  engine     this engine at batch 1 and 64 (bench/gpu/peers.py), with CUDA graphs and without
-  hf         Hugging Face generate, dynamic cache, same shapes
-  serving    HTTP against in-process at 1 and 64 streams (bench/gpu/http_vs_inprocess.py)
-  engine-135M, hf-135M   the engine and generate at the SmolLM2-135M shape (the Llama family)
-  hf-static  generate with its static cache (compiled, CUDA graphs): last, as its compile is the
-             step most likely to run long; skipped when the budget is spent
-Then the targets (targets.py) are judged and results.json, summary.md and steps.log written to
---out; the summary's table is printed last. A step that fails or runs past its time is recorded
-as such and the rest still run. `--dry-run` runs the same steps on the CPU at small shapes;
-`--merge` judges a run and its rerun (`--only`) together.
+  engine     this engine at batch 1, 64 and 256 (bench/gpu/peers.py) with CUDA graphs, and at 1
+             and 64 without them
+  serving    HTTP against in-process at 64 streams (bench/gpu/http_vs_inprocess.py), TTFT included
+  engine-135M          the engine at the SmolLM2-135M shape (the Llama family), batch 1 and 64
+  hf-static            Hugging Face generate with its static cache (compiled, CUDA graphs), 124M
+  hf-135M, hf-static-135M   generate at the 135M shape, dynamic and static cache
+The peers' compiles come last, as they are the steps most likely to run long: a step is skipped
+when the budget is spent, and a rerun (`--only`) measures it. Then the targets (targets.py) are
+judged and results.json, summary.md and steps.log written to --out; the summary's table is printed
+last. A step that fails or runs past its time is recorded as such and the rest still run.
+`--dry-run` runs the same steps on the CPU at small shapes; `--merge` judges a run and its rerun
+together.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ class Plan:
     more_shapes: tuple[str, ...]  # engine and generate (dynamic cache) also measured at these
     dtype: str
     batches: tuple[int, int]  # (small, large)
+    many_streams: int  # the engine's batch (and KV slots) for the many-streams figure
     new_tokens: int
-    streams: tuple[int, int]
+    streams: tuple[int, ...]  # HTTP against in-process at these; the last is judged
     requests_per_stream: int
     repeats: int
     test_paths: tuple[str, ...]
@@ -59,41 +62,60 @@ class Plan:
     steps: dict[str, tuple[list[str], float]] = field(default_factory=dict)  # name -> (argv, timeout)
 
 
+# Each step's limit on a GPU, in seconds. On an H200, before the CUDA graphs, the steps took probe
+# 7, tests 36, stream 15, engine 25, serving 48 (with one stream more), engine-135M 37, hf-135M 60
+# (with one warm-up more), hf-static 68: 296 s, leaving hf-static-135M (its compile at 30 layers,
+# never timed) 144 s of the budget. The limits (565 in all) stop a step that hangs; the budget
+# (BUDGET_S) ends the run inside one device call of 480 s with the wheels' install; what it skips,
+# a rerun measures.
+LIMITS_S = {"probe": 20, "tests": 75, "stream": 30, "engine": 50, "serving": 50, "engine-135M": 40,
+            "hf-static": 90, "hf-135M": 60, "hf-static-135M": 150}
+BUDGET_S = 440
+DRY_RUN_SLOWER = 2.5  # the dry run's limits and budget: a small model, but on a few shared CPU cores
+
+
 def make_plan(dry_run: bool, budget_s: float | None = None) -> Plan:
     if dry_run:  # the CPU, small shapes: every step end to end in a few minutes
-        plan = Plan("cpu", "10.7M", ("135M",), "float32", (1, 4), 8, (1, 4), 2, 1,
+        plan = Plan("cpu", "10.7M", ("135M",), "float32", (1, 4), 8, 8, (4,), 2, 1,
                     ("tests/engine/test_reference_parity.py",
                      "tests/engine/test_sampling.py"),
-                    "torch and (greedy_matches_reference or seeded_sampling_same_alone)", 3, budget_s or 420)
+                    "torch and (greedy_matches_reference or seeded_sampling_same_alone)", 3,
+                    budget_s or BUDGET_S * DRY_RUN_SLOWER)
     else:
-        plan = Plan("cuda", "124M", ("135M",), "bfloat16", (1, 64), 128, (1, 64), 4, 2,
+        plan = Plan("cuda", "124M", ("135M",), "bfloat16", (1, 64), 256, 128, (64,), 4, 2,
                     ("tests/engine", "tests/reliability/test_startup_faults.py"),
-                    "torch-cuda or cuda_index", 40, budget_s or 420)
+                    "torch-cuda or cuda_index", 40, budget_s or BUDGET_S)
+    scale = DRY_RUN_SLOWER if dry_run else 1.0
+    batches = ",".join(map(str, plan.batches))
 
     def on(shape: str) -> list[str]:
         return ["--device", plan.device, "--shape", shape, "--dtype", plan.dtype]
 
-    def peer(name: str, shape: str) -> list[str]:
-        return ["bench.gpu.peers", "--peer", name, *on(shape), "--batches", ",".join(map(str, plan.batches)),
-                "--new-tokens", str(plan.new_tokens), "--repeats", str(plan.repeats)]
+    def peer(name: str, shape: str, *extra: str) -> list[str]:
+        return ["bench.gpu.peers", "--peer", name, *on(shape), "--new-tokens", str(plan.new_tokens),
+                "--repeats", str(plan.repeats), *(extra or ("--batches", batches))]
 
-    plan.steps = {
-        "probe": (["bench.gpu.probe", "--device", plan.device], 60),
+    argv: dict[str, list[str]] = {
+        "probe": ["bench.gpu.probe", "--device", plan.device],
         # Only the plugins the suites use (run_step turns autoloading off): the GPU image's own
         # (xdist, cov, benchmark, hypothesis, ...) stay out of the tests' way.
-        "tests": (["pytest", "-q", "-p", "no:cacheprovider", "-p", "pytest_asyncio.plugin",
-                   "-p", "pytest_timeout", "-rfE", *plan.test_paths, "-k", plan.test_filter], 200),
-        "stream": (["bench.gpu.stream_check", "--device", plan.device], 90),
-        "engine": (peer("engine", plan.shape), 120),
-        "hf": (peer("hf", plan.shape), 120),
-        "serving": (["bench.gpu.http_vs_inprocess", *on(plan.shape),
-                     "--streams", ",".join(map(str, plan.streams)),
-                     "--requests-per-stream", str(plan.requests_per_stream)], 200),
+        "tests": ["pytest", "-q", "-p", "no:cacheprovider", "-p", "pytest_asyncio.plugin",
+                  "-p", "pytest_timeout", "-rfE", *plan.test_paths, "-k", plan.test_filter],
+        "stream": ["bench.gpu.stream_check", "--device", plan.device],
+        # The many-streams figure rides on the engine's step; the graphs' gain at the main shape only.
+        "engine": peer("engine", plan.shape, "--batches", f"{batches},{plan.many_streams}",
+                       "--without-graphs", batches),
+        "serving": ["bench.gpu.http_vs_inprocess", *on(plan.shape),
+                    "--streams", ",".join(map(str, plan.streams)),
+                    "--requests-per-stream", str(plan.requests_per_stream)],
     }
     for shape in plan.more_shapes:
-        plan.steps[f"engine-{shape}"] = (peer("engine", shape), 90)
-        plan.steps[f"hf-{shape}"] = (peer("hf", shape), 90)
-    plan.steps["hf-static"] = (peer("hf-static", plan.shape), 180)
+        argv[f"engine-{shape}"] = peer("engine", shape)
+    argv["hf-static"] = peer("hf-static", plan.shape)
+    for shape in plan.more_shapes:
+        argv[f"hf-{shape}"] = peer("hf", shape)
+        argv[f"hf-static-{shape}"] = peer("hf-static", shape)
+    plan.steps = {name: (args, LIMITS_S[name] * scale) for name, args in argv.items()}
     return plan
 
 
@@ -180,8 +202,8 @@ def finish(meta: dict[str, Any], steps: dict[str, Any], out_dir: Path) -> int:
     """Judge the targets, write results.json and summary.md, print the short table last."""
     plan = meta["plan"]
     results = {name: s["result"] for name, s in steps.items() if "result" in s}
-    verdicts = judge(results, plan["batches"][0], plan["batches"][1], plan["streams"][1],
-                     tuple(plan.get("more_shapes", ())))
+    verdicts = judge(results, plan["batches"][0], plan["batches"][1], plan["streams"][-1],
+                     tuple(plan.get("more_shapes", ())), plan.get("many_streams"))
     payload = {"meta": meta, "steps": steps, "targets": [v.to_dict() for v in verdicts]}
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
     summary, table = render(payload)
@@ -196,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dry-run", action="store_true",
                     help="on the CPU at small shapes: tries the script, measures nothing of a GPU")
     ap.add_argument("--only", help="comma-separated steps to run (a rerun of some); probe always runs")
-    ap.add_argument("--budget-s", type=float, help="seconds for every step together (default 420)")
+    ap.add_argument("--budget-s", type=float, help=f"seconds for every step together (default {BUDGET_S})")
     ap.add_argument("--plan", action="store_true", help="print the plan as JSON and exit")
     ap.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
                     help="run nothing: judge and write these runs' steps together (a run and its rerun)")

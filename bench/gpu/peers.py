@@ -1,17 +1,19 @@
 """This engine and Hugging Face `generate` on one device, timed alike; one peer per process.
 
     python -m bench.gpu.peers --peer engine|hf|hf-static --device cuda --shape 124M --dtype bfloat16 \
-        --batches 1,64 --new-tokens 128 --json engine.json
+        --batches 1,64 [--without-graphs 1,64] --new-tokens 128 --json engine.json
 
 Every peer gets the same random-weight model (bench/shapes.py) and the same prompts, decodes
 greedily, and generates exactly `--new-tokens` for every prompt; a run's time includes its
 prefill. `hf` is `generate` with its dynamic KV cache; `hf-static` with its static cache
 (`cache_implementation="static"`), which on a GPU also compiles the decode step and replays it
 as CUDA graphs: its warm-up runs the timed shape twice, so compiling and capturing stay out of
-the time. The engine runs through the torch backend, the one a GPU runs; its decode-step median
-comes from the engine's own step timer (bench/peer_runs.py). It runs with its decode step replayed
-as CUDA graphs (the default), then once more at each batch without them (`runs_no_graphs`), so the
-graphs' gain is a ratio within one run.
+the time (the dynamic cache's once).
+The engine runs through the torch backend, the one a GPU runs; its decode-step median comes from
+the engine's own step timer (bench/peer_runs.py), with max_seqs the batch (so 256 rows are 256 KV
+slots). It runs with its decode step replayed as CUDA graphs (the default), then once more without
+them at the batches `--without-graphs` names (`runs_no_graphs`), so the graphs' gain is a ratio
+within one run.
 Each peer runs in a process of its own (bench/gpu/check.py starts them): one peer's compile, CUDA
 graphs or allocator cache never touches another's time, and a peer that hangs is stopped alone.
 """
@@ -65,7 +67,7 @@ def hf_runs(ckpt: Checkpoint, device_name: str, batches: list[int], prompts: lis
                                       do_sample=False, max_new_tokens=new, min_new_tokens=new)
         if static:
             kwargs["cache_implementation"] = "static"
-        for _ in range(2):  # the timed shape itself: compiles, captures and allocates before timing
+        for _ in range(2 if static else 1):  # the timed shape itself: compiles, captures, allocates
             model.generate(ids, **kwargs)
         seconds = []
         for _ in range(repeats):
@@ -91,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--shape", default="124M", choices=sorted(SHAPES))
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--without-graphs", default="", metavar="BATCHES",
+                    help="engine: these batches again without CUDA graphs, one run each (default none)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per batch, best kept")
@@ -106,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     extra: dict[str, Any] = {}
     if args.peer == "engine":
         runs = engine_runs(ckpt, args.device, batches, prompts, args.new_tokens, args.repeats)
-        extra["runs_no_graphs"] = engine_runs(ckpt, args.device, batches, prompts, args.new_tokens, 1,
-                                              graphs=False)
+        if args.without_graphs:
+            eager = [int(b) for b in args.without_graphs.split(",")]
+            extra["runs_no_graphs"] = engine_runs(ckpt, args.device, eager, prompts, args.new_tokens, 1,
+                                                  graphs=False)
     else:
         runs = hf_runs(ckpt, args.device, batches, prompts, args.new_tokens, args.repeats,
                        static=args.peer == "hf-static")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.gpu.targets import Verdict, all_pass
+
 
 def _fmt(value: float | None, spec: str = ".0f") -> str:
     return "-" if value is None or value != value else format(value, spec)  # None or NaN: "-"
@@ -83,10 +85,16 @@ def _serving(payload: dict[str, Any]) -> str:
 
 
 def _targets(payload: dict[str, Any]) -> str:
-    rows = [f"| {t['target']} | {_fmt(t['ratio'], '.2f')} | {t['needed']:g} | {t['status']} | {t['detail']} |"
-            for t in payload["targets"]]
-    head = "| target | ratio | needed | verdict | measured |\n|---|---|---|---|---|\n"
-    return head + "\n".join(rows) + "\n"
+    """The targets (a ratio and its bar) and the figures (a value, no bar), and whether all passed."""
+    verdicts = [Verdict(**t) for t in payload["targets"]]
+    rows = [f"| {v.target} | {_fmt(v.value, '.2f' if v.value is None or abs(v.value) < 10 else '.0f')} | "
+            f"{'-' if v.needed is None else format(v.needed, 'g')} | {v.status} | {v.detail} |"
+            for v in verdicts]
+    head = "| target or figure | value | needed | verdict | measured |\n|---|---|---|---|---|\n"
+    done = ("A dry run: nothing judged." if payload["meta"]["dry_run"] else
+            "Every target PASS, every figure measured." if all_pass(verdicts) else
+            "Not every target passed, or something was not measured.")
+    return head + "\n".join(rows) + "\n\n" + done + "\n"
 
 
 def render(payload: dict[str, Any]) -> tuple[str, str]:
