@@ -6,8 +6,9 @@ a token, a schema that passes a bound only a few characters into its text. Each 
 clients at once, with `n` / `best_of` where the route takes them, while the victim (test_attacks.py's
 harness, its own client id) streams 48 tokens again and again. Every attack request must get a 4xx
 naming the bound or a 200 whose text follows its grammar, never a 5xx or a timeout; the victim's
-median stream stays within 2x of its time alone (its slowest within test_attacks.py's bound, which
-allows for two cores shared with the attacker's own client); the server's memory stays bounded.
+median stream stays within 2x of its time alone (beside costly masks, 2x plus SHARED_BATCH_SLACK_S;
+its slowest within test_attacks.py's bound, which allows for two cores shared with the attacker's
+own client); the server's memory stays bounded.
 """
 
 from __future__ import annotations
@@ -44,8 +45,11 @@ LATE = {"type": "object", "properties": {"a": {"type": "boolean"},
                                          "b": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
         "required": ["a", "b"], "additionalProperties": False}
 LIMITS = "initial_lexer_fuel|max_lexer_states|max_grammar_size|max_items_in_row|max_mask_ms|mask_budget"
-MEDIAN_SLOWDOWN = 2.0
-MEDIAN_SLACK_S = 0.25  # two cores: the attacker's client threads take CPU too
+MEDIAN_SLOWDOWN = 2.0  # issue 47: victims within 2x of their time alone (medians 0.9-1.8x measured)
+# Costly masks share the victim's batch: a step waits for late masks up to MASK_WAIT_S (2 ms) after
+# the forward, longer than this tiny model's whole step (~1 ms), so the victim's median measured
+# 3.7-4.4x there; that test keeps this slack until the wait scales with the step.
+SHARED_BATCH_SLACK_S = 0.25
 RSS_GROWTH = 300 << 20
 
 
@@ -82,10 +86,10 @@ def assert_refused_or_valid(responses: list[httpx.Response], valid: Callable[[di
             assert re.search(LIMITS, error_message(r)), r.text
 
 
-def assert_victim_within_2x(victim: Victim, alone_s: float, what: str) -> None:
+def assert_victim_within_2x(victim: Victim, alone_s: float, what: str, slack_s: float = 0.0) -> None:
     assert_unharmed(victim, alone_s, what)  # every stream complete; the slowest within the harness's bound
     median = statistics.median(victim.durations)
-    assert median <= MEDIAN_SLOWDOWN * alone_s + MEDIAN_SLACK_S, (what, alone_s, victim.durations)
+    assert median <= MEDIAN_SLOWDOWN * alone_s + slack_s, (what, alone_s, victim.durations)
 
 
 def test_regex_bombs_with_best_of_and_n(server: ServerProcess) -> None:
@@ -147,7 +151,8 @@ def test_costly_masks_and_late_failures_end_by_name(server: ServerProcess) -> No
 
     with Victim(base) as victim:
         answers = attack(send, clients=4, each=4)
-    assert_victim_within_2x(victim, alone, f"{len(answers)} costly masks and late grammar failures")
+    assert_victim_within_2x(victim, alone, f"{len(answers)} costly masks and late grammar failures",
+                            slack_s=SHARED_BATCH_SLACK_S)
     assert_refused_or_valid(answers, valid)
     late = [r for r in answers if r.status_code == 422 and "b" in error_message(r)]
     assert all(error_kind(r) == "validation" for r in late)  # TGI's dialect for the client's error
