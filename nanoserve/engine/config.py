@@ -121,22 +121,30 @@ class EngineConfig:
     # step's prompt chunks, so a smaller budget steadies inter-token latency at the cost of the
     # last first token of a wave (256 -> 96 halved the 32-stream inter-token p99: docs/performance.md,
     # levers). A long prompt alone takes more, smaller steps: raise it for long-prompt workloads.
+    # While rows decode, the chunks are also held to what one decode-only step's time buys
+    # (scheduler.py, step_cost.py): where a chunk costs more than a decode step (a CPU), a long
+    # prompt's chunks join every other step or fewer, and a stream stays within about 2x.
     prefill_budget: int = setting(
-        96, "Prompt tokens prefilled per engine step (smaller: steadier streams; a long prompt takes "
-        "more steps).", ge=1)
+        96, "Prompt tokens prefilled per engine step, and the chunk a prompt is cut into (smaller: "
+        "steadier streams; a long prompt takes more steps). While sequences decode, a step also "
+        "carries no more prompt tokens on average than one decode step's time buys.", ge=1)
     # Prompt tokens per step when no sequence is decoding (still cut into prefill_budget-sized
     # chunks): nobody's next token waits on such a step, so a burst of prompts is prefilled in one
     # forward, not several (through HTTP at 32 streams, 2048 and 256 measured alike).
     idle_prefill_budget: int = setting(
-        2048, "Prompt tokens prefilled per engine step while no sequence is decoding.", ge=1)
+        2048, "Prompt tokens prefilled per engine step while no sequence is decoding, and for a "
+        "wave's prompts that complete in the step (waiting_served_ratio).", ge=1)
     # The idle budget also applies while prompts outnumber decoding rows by this ratio (TGI's
-    # waiting_served_ratio, its default): a wave of requests arriving together is prefilled in one
-    # forward instead of being interleaved in prefill_budget-sized chunks with the decode steps of
-    # its first few members, which made the wave's last first token (TTFT p99) wait for those
-    # steps and those members' next tokens wait for the chunks (inter-token p99).
+    # waiting_served_ratio, its default), to the chunks that complete their prompt: a wave of
+    # requests arriving together is prefilled in one forward instead of being interleaved in
+    # prefill_budget-sized chunks with the decode steps of its first few members, which made the
+    # wave's last first token (TTFT p99) wait for those steps and those members' next tokens wait
+    # for the chunks (inter-token p99). Long prompts' other chunks keep the ordinary budget: two
+    # clients' long prompts outnumber one stream as well, and made each of its steps carry both.
     waiting_served_ratio: float = setting(
         1.2, "The idle prefill budget also applies while requests prefilling outnumber those decoding "
-        "by this ratio (TGI's option): a wave of prompts is prefilled in one step.", gt=0)
+        "by this ratio (TGI's option), to the prompts that complete in the step: a wave of prompts "
+        "is prefilled in one step.", gt=0)
     # shift (amortized, default) | sliding (exactly nanoGPT)
     crop_policy: str = setting("shift", "Past the window: shift (amortized) or sliding (nanoGPT's).",
                                choices=CROP_POLICIES)
@@ -199,7 +207,8 @@ class EngineConfig:
     native_isa: str = setting(
         "auto", "The native step's kernels, at most: auto (the best this CPU has), c, avx2, avx512, "
         "avx512bf16, amx. avx512bf16 and amx round a bfloat16 model's linear inputs to bf16; up to "
-        "avx512 they stay float32, the same results on any x86 CPU.", choices=_ISAS)
+        "avx512 they stay float32, the same results on any x86 CPU. With int8 weights (--quantize int8) "
+        "amx means AMX-INT8 tiles from 16 rows a product, the same integers as avx512's VNNI.", choices=_ISAS)
     # The linear layers' weights as loaded ("none") or quantized to int8 ("int8": the native
     # backend's int8 kernels; embeddings, norms and the KV cache keep `dtype`). CPU only.
     quantize: str = setting(

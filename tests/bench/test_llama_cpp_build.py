@@ -51,3 +51,27 @@ def test_the_build_lives_in_the_cache_named_by_llama_cpps_build_number(
     assert lc.server == tmp_path / "llama.cpp-11434" / "build" / "bin" / "llama-server"
     assert lc.convert_script == tmp_path / "llama.cpp-11434" / "src" / "convert_hf_to_gguf.py"
     assert not lc.built()
+
+
+def test_the_tile_configuration_fix_goes_in_once_before_ggmls_loadconfig(tmp_path: Path) -> None:
+    source = tmp_path / build.TILE_CONFIG_FILE
+    source.parent.mkdir(parents=True)
+    original = "void f() {\n    TileConfig tc;\n" + build.TILE_CONFIG_LINE + "    _tile_zero(0);\n}\n"
+    source.write_text(original)
+    assert build.patch_tile_config(tmp_path)
+    patched = source.read_text()
+    # The barrier sits right before the load, once: the stores of `tc` cannot be dropped before it.
+    assert build.TILE_CONFIG_FIX + build.TILE_CONFIG_LINE in patched
+    assert patched.count(build.TILE_CONFIG_FIX) == 1
+    assert patched.replace(build.TILE_CONFIG_FIX, "") == original
+    assert not build.patch_tile_config(tmp_path)  # patched already: nothing to change
+    assert source.read_text() == patched
+
+
+def test_a_tree_without_ggmls_loadconfig_is_left_alone(tmp_path: Path) -> None:
+    assert not build.patch_tile_config(tmp_path)  # no AMX source at all
+    source = tmp_path / build.TILE_CONFIG_FILE
+    source.parent.mkdir(parents=True)
+    source.write_text("// a later ggml that configures its tiles otherwise\n")
+    assert not build.patch_tile_config(tmp_path)
+    assert source.read_text() == "// a later ggml that configures its tiles otherwise\n"
