@@ -186,3 +186,12 @@ def test_an_event_template_needs_its_slot_exactly_once() -> None:
         EventTemplate(lambda text: b"data: [" + to_json(text) + b"," + to_json(text) + b"]\n\n")
     template = EventTemplate(lambda text: b"data: {\"t\":" + to_json(text) + b"}\n\n")
     assert template("q\"") == b'data: {"t":"q\\""}\n\n'
+
+
+def test_a_conversation_past_the_message_cap_is_refused_by_its_count() -> None:
+    from nanoserve.server.api.openai.schemas import MAX_MESSAGES
+
+    turn = {"role": "user", "content": "hi"}
+    ChatCompletionRequest.model_validate({"messages": [turn] * MAX_MESSAGES})  # at the cap: accepted
+    where, msg = refusal(ChatCompletionRequest, {"messages": [turn] * (MAX_MESSAGES + 1)})
+    assert where == "messages" and f"at most {MAX_MESSAGES} items" in msg, msg

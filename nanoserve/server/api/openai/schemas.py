@@ -29,6 +29,11 @@ from nanoserve.server.api.openai.tools import (
 )
 from nanoserve.server.api.structured import response_format_grammar
 
+# Messages in one chat request. Each costs the template a few tokens at least, so more than this
+# cannot fit any window served here (8,192 tokens at most); the cap keeps a body of tens of
+# thousands of tiny messages from costing the event loop their rendering (~50 us each) before the
+# window refuses them.
+MAX_MESSAGES = 2048
 MAX_CHOICES = 16  # n and best_of (also at most the engine's slots: each choice holds one)
 MAX_PROMPTS = 16  # prompts in one completions request (each is a request of the engine's)
 PromptField = str | list[str] | list[int] | list[list[int]]
@@ -258,7 +263,7 @@ class CompletionRequest(GenerationRequest):
 class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(
         None, ge=1, le=MAX_COUNT, description="Deprecated by OpenAI: max_completion_tokens."
     )
