@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from nanoserve.engine import grammar_limits as limits
-from nanoserve.engine.grammar_pool import lower_thread_priority
 from nanoserve.engine.types import GrammarSpec, InvalidRequest
+from nanoserve.engine.worker_priority import lower_thread_priority
 from nanoserve.model.tokenizer import BPETokenizer, Tokenizer
 
 log = logging.getLogger(__name__)

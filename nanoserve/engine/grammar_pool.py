@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from nanoserve.engine.types import Overloaded
 from nanoserve.engine.worker_priority import lower_thread_priority
 
-__all__ = ["GrammarPool", "lower_thread_priority"]  # grammar.py's mask thread takes the same priority
+__all__ = ["GrammarPool"]
 
 T = TypeVar("T")
 
