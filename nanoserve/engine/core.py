@@ -46,13 +46,18 @@ class EngineCore:
         # Grammar masks of the rows this step samples, computed beside the forward.
         self.runner.grammar_mask.start([item.req.constraint for item in plan.items if item.completes
                                         and item.req.constraint is not None and samples_tokens(item.req)])
+        began = time.perf_counter()
         forward = self.runner.forward(plan.items)
         out = StepOutput(forward_done=time.perf_counter(), errors=forward.errors, rows=forward.rows)
         if forward.logits is None:
             return out
         reqs = [plan.items[i].req for i in forward.rows]
         logits = forward.logits
-        deferred = self._late_masks(plan, forward.rows, out.forward_done)
+        # A mask may take the forward's end plus half the forward's time (at most MASK_WAIT_S): on a
+        # model whose step is a millisecond, a fixed wait of MASK_WAIT_S would let one costly grammar
+        # triple everyone's step.
+        wait = min(MASK_WAIT_S, 0.5 * (out.forward_done - began))
+        deferred = self._late_masks(plan, forward.rows, out.forward_done + wait)
         out.deferred = {forward.rows[j] for j in deferred}
         keep = [j for j, req in enumerate(reqs) if samples_tokens(req) and j not in deferred]
         if len(keep) < len(reqs):  # requests that only score their prompt (or wait for a mask) draw nothing
@@ -64,13 +69,13 @@ class EngineCore:
 
     def _late_masks(self, plan: StepPlan, rows: list[int], deadline: float) -> set[int]:
         """Positions in `rows` of decode rows whose grammar mask, begun with the forward, is still
-        being computed MASK_WAIT_S after `deadline` (the forward's end): they wait for the next step
-        (Scheduler.update_from_output feeds their token again) rather than delay the batch."""
+        being computed at `deadline`: they wait for the next step (Scheduler.update_from_output
+        feeds their token again) rather than delay the batch."""
         found = [(j, c) for j, i in enumerate(rows)
                  if (c := plan.items[i].req.constraint) is not None and samples_tokens(plan.items[i].req)]
         if not found:
             return set()
-        late = self.runner.grammar_mask.late([c for _, c in found], deadline + MASK_WAIT_S)
+        late = self.runner.grammar_mask.late([c for _, c in found], deadline)
         return {j for (j, _), slow in zip(found, late, strict=True)
                 if slow and len(plan.items[rows[j]].tokens) == 1}
 

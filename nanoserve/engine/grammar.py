@@ -239,10 +239,10 @@ class GrammarMask:
 
     `start` computes the masks of the rows a step will sample on a thread of its own while the
     forward runs (llguidance drops the GIL, as the forward's kernels do). After the forward,
-    `late` waits for them until a deadline (MASK_WAIT_S after the forward's end): a row
-    whose mask is not ready by then is not sampled this step (the engine feeds its last token
-    again next step, when its mask is ready), so a costly grammar delays its own request and never
-    its batch. Each mask is timed against its request's budget (grammar_limits.py)."""
+    `late` waits for them until a deadline (the forward's end plus half its time, at most
+    MASK_WAIT_S): a row whose mask is not ready by then is not sampled this step (the engine feeds
+    its last token again next step, when its mask is ready), so a costly grammar delays its own
+    request and never its batch. Each mask is timed against its request's budget (grammar_limits.py)."""
 
     def __init__(self) -> None:
         self._thread: ThreadPoolExecutor | None = None

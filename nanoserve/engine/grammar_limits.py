@@ -31,8 +31,9 @@ MAX_COMPILE_S = 1.0
 # Mask time on the engine's side: one mask may take MAX_MASK_S; all of a request's masks together
 # MASK_BURST_S plus MASK_PER_TOKEN_S per mask. A JSON schema's mask costs ~0.02-0.2 ms a token.
 MAX_MASK_S = 0.1
-# A step's masks run beside its forward and may take this much longer; a row whose mask takes
-# longer is not sampled that step, and waits for the next (GrammarMask.late).
+# A step's masks run beside its forward and may take half the forward's time longer, at most this
+# much; a row whose mask takes longer is not sampled that step, and waits for the next
+# (GrammarMask.late).
 MASK_WAIT_S = 0.002
 MASK_BURST_S = 0.2
 MASK_PER_TOKEN_S = 0.002
