@@ -195,3 +195,15 @@ def test_a_conversation_past_the_message_cap_is_refused_by_its_count() -> None:
     ChatCompletionRequest.model_validate({"messages": [turn] * MAX_MESSAGES})  # at the cap: accepted
     where, msg = refusal(ChatCompletionRequest, {"messages": [turn] * (MAX_MESSAGES + 1)})
     assert where == "messages" and f"at most {MAX_MESSAGES} items" in msg, msg
+
+
+@pytest.mark.parametrize("prompt", [[1, -1], [[3], [1, 2**31]], [2**31 - 1, -5, 7]])
+def test_token_ids_out_of_range_are_refused_by_name(prompt: list) -> None:
+    where, msg = refusal(CompletionRequest, {"prompt": prompt})
+    assert where == "prompt" and "token ids must be in [0, 2147483647]" in msg, msg
+
+
+def test_a_prompt_of_token_ids_stays_ids_and_one_of_strings_stays_strings() -> None:
+    # The union tries ids first (cheaper for long id lists); which member wins must not change.
+    assert CompletionRequest.model_validate({"prompt": [1, 2]}).prompt_inputs() == [[1, 2]]
+    assert CompletionRequest.model_validate({"prompt": ["1", "2"]}).prompt_inputs() == ["1", "2"]

@@ -36,7 +36,10 @@ from nanoserve.server.api.structured import response_format_grammar
 MAX_MESSAGES = 2048
 MAX_CHOICES = 16  # n and best_of (also at most the engine's slots: each choice holds one)
 MAX_PROMPTS = 16  # prompts in one completions request (each is a request of the engine's)
-PromptField = str | list[str] | list[int] | list[list[int]]
+# Token ids before strings: pydantic's smart union picks the same member either way, but a list of
+# token ids tried as strings first makes one error per id (300,000 ids: 0.14 s of the event loop
+# instead of 0.01 s).
+PromptField = str | list[int] | list[str] | list[list[int]]
 
 # Strict: no str -> number or bool -> number coercion; NaN/inf refused on every float.
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -230,7 +233,7 @@ class CompletionRequest(GenerationRequest):
             for ids in [v] if isinstance(v[0], int) else [p for p in v if isinstance(p, list)]:
                 if not ids:
                     raise _invalid("a prompt of token ids must not be empty")
-                if any(not 0 <= t <= MAX_COUNT for t in ids):  # type: ignore[operator]
+                if min(ids) < 0 or max(ids) > MAX_COUNT:  # min and max loop in C
                     raise _invalid(f"token ids must be in [0, {MAX_COUNT}]")
         return v
 
