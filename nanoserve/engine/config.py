@@ -121,13 +121,13 @@ class EngineConfig:
     # step's prompt chunks, so a smaller budget steadies inter-token latency at the cost of the
     # last first token of a wave (256 -> 96 halved the 32-stream inter-token p99: docs/performance.md,
     # levers). A long prompt alone takes more, smaller steps: raise it for long-prompt workloads.
-    # While rows decode, the chunks are also held to what one decode-only step's time buys
+    # While rows decode, the chunks are also held to what half a decode-only step's time buys
     # (scheduler.py, step_cost.py): where a chunk costs more than a decode step (a CPU), a long
-    # prompt's chunks join every other step or fewer, and a stream stays within about 2x.
+    # prompt's chunks join one step in several, and a stream stays within about 1.5-2x.
     prefill_budget: int = setting(
         96, "Prompt tokens prefilled per engine step, and the chunk a prompt is cut into (smaller: "
         "steadier streams; a long prompt takes more steps). While sequences decode, a step also "
-        "carries no more prompt tokens on average than one decode step's time buys.", ge=1)
+        "carries no more prompt tokens on average than half a decode step's time buys.", ge=1)
     # Prompt tokens per step when no sequence is decoding (still cut into prefill_budget-sized
     # chunks): nobody's next token waits on such a step, so a burst of prompts is prefilled in one
     # forward, not several (through HTTP at 32 streams, 2048 and 256 measured alike).

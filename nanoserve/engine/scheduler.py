@@ -26,6 +26,7 @@ from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.prefix_cache import PrefixCache, tenant_of
 from nanoserve.engine.prompt_scores import ScoringCost
 from nanoserve.engine.request import Request
+from nanoserve.engine.step_cost import StepBudget, StepCost
 from nanoserve.engine.step_plan import (
     CopyPrefix,
     ResetSlot,
@@ -80,6 +81,10 @@ class Scheduler:
         self.scoring = scoring or ScoringCost()
         self._turns = 0  # prompt chunks planned so far
         self._prefill_turn: dict[str | None, int] = {}  # client -> its last chunk's turn, while prefilling
+        self.step_cost = StepCost()  # what a step's prompt rows cost its decoding rows (step_cost.py)
+        self._credit = 0.0  # prompt rows still paid for while rows decode (plan())
+        self._planned: tuple[int, bool] = (0, False)  # the last plan's charged prompt rows, decoding
+        self._planned_at = 0.0
 
     def fits(self, req: Request) -> bool:
         """Whether `req` and its followers (one slot per choice) can all be admitted now."""
@@ -208,20 +213,28 @@ class Scheduler:
         so one client's long prompts do not hold another's first chunk for all of theirs.
 
         A chunk is min(pending, prefill_budget) whatever else runs, so a request is cut into the
-        same chunks alone or batched (the first chunk of a step always runs). A chunk that scores
-        its prompt is charged what its rows cost (prompt_scores.ScoringCost: the output layer
-        over the vocabulary, a plain row skips it), so it takes fewer rows, and a step's scored
-        rows hold at most max_rows rows of logits. When no row decodes, or prompts outnumber
-        decoding rows by waiting_served_ratio, the step's budget is the larger idle one: a burst
-        of prompts is prefilled in one forward instead of a few, and at most a few streams' next
-        tokens wait for it.
+        same chunks alone or batched. A chunk that scores its prompt is charged what its rows cost
+        (prompt_scores.ScoringCost: the output layer over the vocabulary, a plain row skips it),
+        so it takes fewer rows, and a step's scored rows hold at most max_rows rows of logits.
+        When no row decodes, nobody waits for the step: its budget is the larger idle one (the
+        first chunk always runs), except that long prompts' chunks that do not complete take at
+        most prefill_budget or the rows below, whichever is more: a request that arrives waits for
+        the step in flight. While rows decode, chunks share prefill_budget and are also paid from
+        a credit that grows each step by the prompt rows half a decode-only step's time buys
+        (step_cost.py, once measured): a decoding stream's steps cost at most 1.5x a decode-only
+        step on average, however many clients send long prompts. A chunk that credit cannot pay
+        waits, and so do the chunks behind it, so none is passed for ever. When prompts outnumber
+        decoding rows by waiting_served_ratio, the chunks that complete their prompt (a wave of
+        prompts arriving together) take the idle budget without credit, and the wave gets its
+        first tokens from one forward; long prompts' other chunks do not.
         """
         # A follower waits for its leader's prefill (share_prefill): it plans nothing.
         leaders = [req for req in self.running if req.leader is None]
         prompts = [req for req in leaders if req.pending > 1]
-        budget = self.config.prefill_budget
-        if len(prompts) >= self.config.waiting_served_ratio * (len(leaders) - len(prompts)):
-            budget = max(budget, self.config.idle_prefill_budget)
+        decoding = len(leaders) - len(prompts)
+        wave = len(prompts) >= self.config.waiting_served_ratio * decoding
+        per_step = self.step_cost.prompt_rows_per_step()
+        budgets = StepBudget(self.config, decoding, wave, self._prompt_credit(decoding, per_step), per_step)
         self._prefill_turn = {r.client: self._prefill_turn.get(r.client, -1) for r in prompts}
         chunks: dict[int, WorkItem] = {}
         scored_room = self.scoring.max_rows
@@ -230,15 +243,18 @@ class Scheduler:
             limit = self.scoring.rows(self.config.prefill_budget) if scoring else self.config.prefill_budget
             chunk = min(req.pending, limit)
             cost = self.scoring.cost(chunk) if scoring else chunk
-            if chunks and (cost > budget or (scoring and chunk > scored_room)):
+            if chunks and scoring and chunk > scored_room:
                 continue
-            budget -= cost
+            if not budgets.take(cost, completes=chunk == req.pending, first=not chunks):
+                continue
             scored_room -= chunk if scoring else 0
             self._turns += 1
             self._prefill_turn[req.client] = self._turns
             tokens = req.ctx[req.n_cached : req.n_cached + chunk]
             chunks[id(req)] = WorkItem(req, tokens, req.n_cached, completes=chunk == req.pending,
                                        scores=req.prompt_rows_to_score(req.n_cached, chunk))
+        self._credit = budgets.credit if decoding else 0.0  # a stream that starts decoding pays its own way
+        self._planned = (budgets.spent, decoding > 0)
         items = []
         for req in leaders:  # in admission order, as they run
             if req.pending == 1:
@@ -247,11 +263,21 @@ class Scheduler:
                 items.append(chunks[id(req)])
         return items
 
+    def _prompt_credit(self, decoding: int, per_step: float | None) -> float:
+        """Prompt rows the credit lets this step carry beside decoding rows: what is left, plus
+        `per_step` (what a share of a decode-only step's time buys), at most prefill_budget (it
+        never banks a burst, nor starts with one); unbounded while nothing decodes or before both
+        costs are measured."""
+        if decoding == 0 or per_step is None:
+            return float("inf")
+        return min(self._credit + max(1.0, per_step), self.config.prefill_budget)
+
     def schedule(self, now: float) -> StepPlan:
         """This step's plan: requests cancelled or past their deadline end first, then every
         running sequence's work (plan()), with the slot operations recorded since the last plan."""
         ended = self.reap(now)
         items = self.plan()
+        self._planned_at = now
         if items:
             self.steps += 1
         ops, self._slot_ops = self._slot_ops, []
@@ -263,6 +289,7 @@ class Scheduler:
         result = StepResult(events=list(plan.ended))
         if not plan.items:
             return result
+        self.step_cost.observe(output.forward_done - self._planned_at, *self._planned)
         for i, item in enumerate(plan.items):
             req, n = item.req, len(item.tokens)
             if i in output.errors:

@@ -1,11 +1,19 @@
-"""Admission, cancellation, overload, deadlines, shutdown, observer hooks and engine introspection."""
+"""Admission, cancellation, overload, deadlines, shutdown, observer hooks, engine introspection,
+and how many prompt rows a step carries beside decoding rows."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
+from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.inbox import Inbox
+from nanoserve.engine.request import Request
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.step_cost import DECODE_SHARE, StepCost
+from nanoserve.engine.step_plan import StepOutput
 from nanoserve.engine.types import (
     FinishReason,
     InvalidRequest,
@@ -17,6 +25,7 @@ from nanoserve.engine.types import (
 )
 from nanoserve.model.checkpoint import Checkpoint
 from nanoserve.model.reference import reference_generate
+from nanoserve.model.tokenizer import CharTokenizer
 from tests.engine.conftest import EngineFactory, collect
 
 
@@ -272,3 +281,103 @@ async def test_a_preempted_sampled_request_with_penalties_draws_what_it_draws_al
     assert engine.stats().extra["preemptions_total"] >= 1
     for stream in streams:
         assert [e.token_id async for e in stream] == expected
+
+
+CHARS = CharTokenizer.train("abcdefghijklmnopqrstuvwxyz ")
+
+
+def _request(loop: asyncio.AbstractEventLoop, index: int, tokens: int) -> Request:
+    params = SamplingParams(max_new_tokens=1000, temperature=0.0, stop_on_eos=False)
+    req = Request(f"r{index}", [1] * tokens, params, 0, 0, CHARS, loop, Inbox(loop, 1, lambda e: False))
+    req.client = f"client-{index}"
+    return req
+
+
+def _stepped(pending: list[int], steps: int, rows_per_step: float | None = None,
+             **config: Any) -> list[list[tuple[int, int]]]:
+    """Plan `steps` steps, each as if run, for requests (one client each) with these pending
+    token counts (1: it decodes), DECODE_SHARE of a decode-only step costing `rows_per_step`
+    prompt rows (None: not measured yet): each step's (request index, rows) pairs."""
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler = Scheduler(CHARS, EngineConfig(**config), window=512, batch_invariant=True)
+        if rows_per_step is not None:
+            scheduler.step_cost = StepCost(decode_s=0.01 * rows_per_step / DECODE_SHARE, row_s=0.01)
+        reqs = []
+        for i, n in enumerate(pending):
+            req = _request(loop, i, 10 + n)
+            scheduler.admit(req, 0.0)
+            req.n_cached = 10  # as if its first 10 tokens were prefilled
+            reqs.append(req)
+        out = []
+        for _ in range(steps):
+            items = scheduler.plan()
+            out.append([(reqs.index(item.req), len(item.tokens)) for item in items])
+            for item in items:  # fed; a row that completes its context draws a token
+                item.req.n_cached += len(item.tokens)
+                if item.completes:
+                    item.req.ctx.append(2)
+        return out
+    finally:
+        loop.close()
+
+
+def test_prompt_rows_beside_a_decoding_row_cost_at_most_a_share_of_a_decode_step() -> None:
+    # The share of a decode-only step prompt rows may add costs what 4 prompt rows cost: a chunk
+    # of 8 joins every other step of the decoding row, whose steps take 1 + DECODE_SHARE times
+    # their time alone on average.
+    steps = _stepped([1, 100], 6, rows_per_step=4, prefill_budget=8, waiting_served_ratio=10)
+    assert steps == [[(0, 1)], [(0, 1), (1, 8)]] * 3
+    # Until both costs are measured, the budget alone (a chunk every step).
+    steps = _stepped([1, 100], 2, prefill_budget=8, waiting_served_ratio=10)
+    assert steps == [[(0, 1), (1, 8)]] * 2
+    # Nobody decodes, but a request that arrives waits for the step in flight: long prompts'
+    # chunks take what the share of a decode step's time buys (20 rows: two chunks), at least prefill_budget;
+    # prompts that complete in the step take the idle budget.
+    steps = _stepped([100, 100, 100, 8], 1, rows_per_step=20, prefill_budget=8, idle_prefill_budget=32)
+    assert steps == [[(0, 8), (1, 8), (3, 8)]]
+    steps = _stepped([100, 100], 1, rows_per_step=1, prefill_budget=8, idle_prefill_budget=32)
+    assert steps == [[(0, 8)]]
+
+
+def test_a_chunk_the_credit_cannot_pay_is_not_passed_by_smaller_ones() -> None:
+    # Client 1's chunk of 8 waits for credit (4 a step): client 2's 3-token prompt, behind it in
+    # the round robin, does not take the credit from under it, then goes next.
+    steps = _stepped([1, 100, 3], 3, rows_per_step=4, prefill_budget=8, waiting_served_ratio=10)
+    assert steps == [[(0, 1)], [(0, 1), (1, 8)], [(0, 1), (2, 3)]]
+
+
+def test_the_wave_budget_is_for_prompts_that_complete() -> None:
+    # Two prompts beside one decoding row are a wave (2 >= 1.2 x 1): short prompts that complete
+    # are prefilled together in one step, without waiting for credit.
+    steps = _stepped([1, 8, 8], 1, rows_per_step=1, prefill_budget=8, idle_prefill_budget=32)
+    assert steps == [[(0, 1), (1, 8), (2, 8)]]
+    # Long prompts' middle chunks share prefill_budget and the credit: one chunk a step (the
+    # two in turn) while the decode row runs, however many clients send long prompts.
+    steps = _stepped([1, 100, 100], 2, prefill_budget=8, idle_prefill_budget=32)
+    assert steps == [[(0, 1), (1, 8)], [(0, 1), (2, 8)]]
+
+
+def test_step_costs_are_learnt_from_the_steps_that_run() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler = Scheduler(CHARS, EngineConfig(prefill_budget=8, waiting_served_ratio=10), window=512,
+                              batch_invariant=True)
+        decoder, prompt = _request(loop, 0, 3), _request(loop, 1, 400)
+        scheduler.admit(decoder, 0.0)
+        decoder.n_cached = 2
+        at = 100.0
+        # A decode-only step takes 40 ms, a prompt row adds 5 ms.
+        for step in range(20):
+            if step == 10:
+                assert scheduler.step_cost.prompt_rows_per_step() is None  # no prompt row ran yet
+                scheduler.admit(prompt, at)
+            plan = scheduler.schedule(at)
+            at += 0.04 + 0.005 * sum(len(item.tokens) for item in plan.items if item.req is prompt)
+            scheduler.update_from_output(plan, StepOutput(forward_done=at))
+            decoder.ctx.append(2)  # as if it drew a token
+            at += 0.001  # between steps: not the forward's
+        assert scheduler.step_cost.decode_s == pytest.approx(0.04)
+        assert scheduler.step_cost.row_s == pytest.approx(0.005)
+    finally:
+        loop.close()
