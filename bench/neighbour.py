@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
-import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -52,7 +51,6 @@ def stream_s(base_url: str, tokens: int) -> float:
 
 
 def measure(rounds: int, tokens: int) -> dict[str, dict[str, list[float]]]:
-    sys.path.insert(0, str(REPO))
     from tests.server.server import running_server  # the test harness's start, ready and stop
 
     times: dict[str, dict[str, list[float]]] = {c: {w: [] for w in WAYS} for c in ("alone", "neighbour")}
@@ -98,7 +96,8 @@ def report(times: dict[str, dict[str, list[float]]], tokens: int, rounds: int,
         summary[condition] = {"median_s": med, "default_over_best": ratio}
         cells = [f"{med[w]:.2f} ({min(v):.2f}-{max(v):.2f})" for w, v in by_way.items()]
         lines.append(f"| {condition} | {' | '.join(cells)} | {ratio:.2f} |")
-    payload = {"machine": m, "tokens": tokens, "rounds": rounds, "times_s": times, "summary": summary}
+    payload = {"meta": {"machine": m, "load": loads, "tokens": tokens, "rounds": rounds},
+               "times_s": times, "summary": summary}
     return payload, "\n".join(lines) + "\n"
 
 

@@ -16,7 +16,9 @@ the model's bytes against the caches, the dtype's kernels, and what else the mac
 event loop that streams tokens shares the same two cores). So the tuner treats it as an
 experiment per forward size (tokens in the forward, rounded to a power of two): the first
 forwards of each size take turns between all threads and one, the faster median wins, and the
-choice is measured again now and then because the machine's load changes. Forwards of
+choice is measured again now and then because the machine's load changes, and at once when the
+chosen count's forwards drift from what they took when it was chosen (a neighbour took a core, or
+left). Forwards of
 ALL_THREADS_FROM tokens or more are compute-bound and always use every thread; so does a size
 whose first forwards on every thread take SURE_ALL_THREADS_S or more (long enough that one thread
 cannot win), without a turn on one.
@@ -54,6 +56,13 @@ ALL_THREADS_FROM = 128  # forward sizes (tokens) that always use every thread
 # prompts at 124M bf16 take 22 ms on one thread instead of 12, 8% of a batch-1 run, and a server
 # would pay that for each new size and again at every re-measurement.
 SURE_ALL_THREADS_S = 0.002
+# The chosen count's forwards are watched: when the median of the last WATCH of them differs from
+# the chosen count's median when it was chosen by more than DRIFT either way, the size is measured
+# again at once. Beside a process spinning on one of 2 cores, a server that had chosen 2 threads
+# alone kept them for its re-measurement period (up to RETUNE_AFTER forwards) at 1.28x the time of
+# 1 thread (bench/neighbour.py); the periodic re-measurement alone came minutes late.
+WATCH = 24
+DRIFT = 1.3
 
 
 def default_cpu_threads() -> int:
@@ -94,6 +103,8 @@ class _SizeState:
     turn: int = 0  # forwards run while measuring
     retune_after: int = field(default_factory=lambda: FIRST_RETUNE)  # read when created
     previous: int | None = None  # the choice before this measurement
+    chosen_s: float = 0.0  # the choice's median forward when it was chosen (0: not watched)
+    recent: list[float] = field(default_factory=list)  # the choice's last forwards since, at most WATCH
 
 
 class ThreadTuner:
@@ -132,6 +143,7 @@ class ThreadTuner:
         elif state.choice is not None:
             threads = state.choice
             state.since_choice += 1
+            timed = state.chosen_s > 0  # watched for drift (end)
         else:
             block, within = divmod(state.turn, BLOCK)
             threads = self.candidates[block % len(self.candidates)]
@@ -149,6 +161,7 @@ class ThreadTuner:
         self._pending = None
         state = self._sizes[size]
         if state.choice is not None:
+            self._watch(state, time.perf_counter() - start)
             return
         samples = state.samples[threads]
         samples.append(time.perf_counter() - start)
@@ -165,6 +178,18 @@ class ThreadTuner:
         state.choice = threads
         confirmed = threads == state.previous
         state.retune_after = min(2 * state.retune_after, RETUNE_AFTER) if confirmed else FIRST_RETUNE
+        state.chosen_s, state.recent = statistics.median(state.samples[threads]), []
+
+    @staticmethod
+    def _watch(state: _SizeState, took: float) -> None:
+        """A forward on the chosen count: past DRIFT from the choice's time, measure again now."""
+        state.recent.append(took)
+        if len(state.recent) < WATCH:
+            return
+        now = statistics.median(state.recent)
+        state.recent = []
+        if not state.chosen_s / DRIFT <= now <= state.chosen_s * DRIFT:
+            state.since_choice = state.retune_after  # the next forward of this size measures
 
     def choices(self) -> dict[int, int]:
         """Forward size -> chosen thread count, for sizes measured so far."""

@@ -46,6 +46,14 @@ def run(tuner: ThreadTuner, clock: FakeClock, tokens: int, cost: dict[int, float
     return used
 
 
+def tuned(clock: FakeClock, tokens: int, cost: dict[int, float]) -> ThreadTuner:
+    """A two-thread tuner that has measured forwards of `tokens` tokens costing `cost` and chosen."""
+    tuner = ThreadTuner(2)
+    for _ in range(TUNING):
+        run(tuner, clock, tokens, cost)
+    return tuner
+
+
 def test_alternates_then_keeps_the_faster_count_per_size(clock: FakeClock) -> None:
     tuner = ThreadTuner(2)
     small = {1: 0.4 * MS, 2: 0.7 * MS}  # one thread wins for small forwards
@@ -128,9 +136,7 @@ def test_the_forward_after_a_switch_is_not_timed(clock: FakeClock) -> None:
 
 def test_remeasures_after_a_while(clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(threads_module, "FIRST_RETUNE", 10)
-    tuner = ThreadTuner(2)
-    for _ in range(TUNING):
-        run(tuner, clock, 4, {1: 0.1 * MS, 2: 0.2 * MS})
+    tuner = tuned(clock, 4, {1: 0.1 * MS, 2: 0.2 * MS})
     assert tuner.choices() == {4: 1}
     for _ in range(10):
         run(tuner, clock, 4, {1: 0.1 * MS, 2: 0.2 * MS})
@@ -174,8 +180,10 @@ def test_a_confirmed_choice_is_remeasured_less_often_a_changed_one_soon(
         measure(one_wins)
         assert tuner.choices() == {4: 1}
     assert gaps == [10, 20, 40, 40]
-    # The machine changed: the new choice is measured again after FIRST_RETUNE forwards.
-    assert _forwards_until_measuring(tuner, clock, two_wins) == 40
+    # The machine changed: the chosen count's forwards doubled, so the size is measured again as
+    # soon as WATCH of them show it (not after the 40 of the re-measurement period); the new choice
+    # is measured again after FIRST_RETUNE forwards.
+    assert _forwards_until_measuring(tuner, clock, two_wins) == threads_module.WATCH
     measure(two_wins)
     assert tuner.choices() == {4: 2}
     assert _forwards_until_measuring(tuner, clock, two_wins) == 10
@@ -253,3 +261,30 @@ def test_single_threaded_executor_starts_no_openmp_pool() -> None:
     plain, single = int(out[0]), int(out[1])
     assert plain > 0  # the control: without it the check below could not fail
     assert single == 0
+
+
+def test_a_neighbour_taking_a_core_is_noticed_within_watch_forwards(clock: FakeClock) -> None:
+    # Alone, two threads win and are confirmed; then a neighbour takes a core: two threads now take
+    # 1.5x as long, one thread (on the other core) is unchanged and the faster. The tuner measures
+    # again after WATCH forwards, not after its re-measurement period, and moves to one thread.
+    alone, beside = {1: 1.0 * MS, 2: 0.7 * MS}, {1: 1.0 * MS, 2: 1.5 * MS}
+    tuner = tuned(clock, 4, alone)
+    assert tuner.choices() == {4: 2}
+    assert {run(tuner, clock, 4, alone) for _ in range(100)} == {2}  # steady: no re-measurement
+    # Within one watch window (part of the current window ran alone), far before FIRST_RETUNE.
+    noticed = _forwards_until_measuring(tuner, clock, beside)
+    assert noticed <= threads_module.WATCH < threads_module.FIRST_RETUNE
+    for _ in range(TUNING - 1):
+        run(tuner, clock, 4, beside)
+    assert tuner.choices() == {4: 1}
+
+
+def test_noise_within_the_drift_does_not_remeasure(clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(threads_module, "FIRST_RETUNE", 1000)
+    tuner = tuned(clock, 1, {1: 1.0 * MS, 2: 0.5 * MS})
+    assert tuner.choices() == {1: 2}
+    # Forwards 20% slower or faster than at the choice, in turn, and a few much slower outliers.
+    for i in range(400):
+        cost = 0.5 * MS * (1.2 if i % 2 else 0.8) * (5 if i % 50 == 0 else 1)
+        run(tuner, clock, 1, {1: cost, 2: cost})
+        assert tuner.choices() == {1: 2}, f"measuring again after forward {i}"
