@@ -65,6 +65,8 @@ def expected_wait_s(running: list[Request], step_s: float) -> float:
 
 def admit(waiting: WaitingQueue, scheduler: Scheduler, now: float, max_group_wait_s: float) -> None:
     """Seat what may be seated now (see the module docstring); called under the engine's lock."""
+    if not len(waiting):  # most steps of a busy server: nothing to sort, nobody to preempt for
+        return
     aged = [r for r in waiting.items if r.followers and now - r.submitted > max_group_wait_s]
     for group in sorted(aged, key=lambda r: r.submitted):
         if not _seat(waiting, scheduler, group, now, aged=True):
