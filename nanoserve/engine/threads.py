@@ -82,7 +82,8 @@ def single_threaded_elsewhere() -> None:
     torch.set_num_threads(1)
 
 
-def single_threaded_executor() -> ThreadPoolExecutor:
+def single_threaded_executor(workers: int | None = None, name: str = "nanoserve-worker"
+                             ) -> ThreadPoolExecutor:
     """A thread pool whose threads never start an OpenMP pool of their own.
 
     torch hands its last set count only to its own parallel ops; oneDNN and MKL size their
@@ -91,8 +92,8 @@ def single_threaded_executor() -> ThreadPoolExecutor:
     (oneDNN weight reorders) in the event loop's default executor, started a second pool there,
     and every parallel region of the engine thread then paid futex wake-ups (its OpenMP worker
     slept ~3,300 times a second under load instead of spinning). Each thread of this pool sets
-    its own count to one before it runs anything."""
-    return ThreadPoolExecutor(thread_name_prefix="nanoserve-worker", initializer=single_threaded_elsewhere)
+    its own count to one before it runs anything. `workers`: ThreadPoolExecutor's default when None."""
+    return ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=single_threaded_elsewhere)
 
 
 @dataclass

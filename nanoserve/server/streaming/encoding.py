@@ -27,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
-from nanoserve.engine.threads import single_threaded_elsewhere
+from nanoserve.engine.threads import single_threaded_executor
 from nanoserve.engine.types import InvalidRequest
 from nanoserve.server.http.errors import APIError
 from nanoserve.server.runtime.heap import return_free_memory
@@ -57,8 +57,7 @@ class EncodeQueue:
 
     def _thread(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-encoder",
-                                                initializer=single_threaded_elsewhere)
+            self._executor = single_threaded_executor(1, "nanoserve-encoder")
         return self._executor
 
     def retry_after_s(self) -> int:
